@@ -1,0 +1,7 @@
+"""``python -m qkv`` (also what ``torchrun -m qkv`` runs)."""
+
+import sys
+
+from qkv.cli import main
+
+sys.exit(main())

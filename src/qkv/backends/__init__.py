@@ -1,0 +1,1 @@
+"""Interchangeable attention backends; :mod:`qkv.attention` validates and dispatches."""

@@ -1,0 +1,80 @@
+"""The reference backend: the attention formula written out, returning the weights.
+
+softmax(Q Kᵀ · scale + bias + M) V, with M = -inf on blocked keys. Inputs are already validated
+by :mod:`qkv.attention`. This is the backend every other one is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def expand_kv_heads(x: Tensor, num_heads: int) -> Tensor:
+    """Repeat each of the ``Hkv`` key/value heads ``H // Hkv`` times (grouped-query attention).
+
+    Args:
+        x: ``[B, Hkv, S, D]``.
+        num_heads: H, a multiple of Hkv.
+
+    Returns:
+        ``[B, H, S, D]`` (the input itself when ``Hkv == H``).
+    """
+    groups = num_heads // x.shape[1]
+    if groups == 1:
+        return x
+    return x.repeat_interleave(groups, dim=1)  # [B, H, S, D]
+
+
+def reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    training: bool,
+) -> tuple[Tensor, Tensor]:
+    """Explicit attention; see :func:`qkv.attention` for the contract.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
+        value: ``[B, Hkv, S, Dv]``.
+        mask: bool, broadcastable to ``[B, H, T, S]``, True = blocked, or None.
+        bias: float, broadcastable to ``[B, H, T, S]``, added to the scores, or None.
+        scale: multiplies the scores.
+        dropout_p: dropout probability on the weights (used only when ``training``).
+        training: apply dropout.
+
+    Returns:
+        ``(output [B, H, T, Dv], weights [B, H, T, S])`` in the input dtype; the weights are the
+        ones multiplied with V (after dropout).
+    """
+    out_dtype = query.dtype
+    work = compute_dtype(out_dtype)
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        q = query.to(work)  # [B, H, T, Dh]
+        k = expand_kv_heads(key.to(work), q.shape[1])  # [B, H, S, Dh]
+        v = expand_kv_heads(value.to(work), q.shape[1])  # [B, H, S, Dv]
+        scores = torch.matmul(q * scale, k.transpose(-2, -1))  # [B, H, T, S]
+        if bias is not None:
+            scores = scores + bias.to(work)  # [B, H, T, S]
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))  # [B, H, T, S]
+        # A row whose every key is blocked: softmax of all -inf is NaN, and so is its gradient.
+        # Give such rows finite scores before the softmax and zero their weights after it.
+        dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [B, H, T, 1]
+        scores = scores.masked_fill(dead, 0.0)  # [B, H, T, S]
+        weights = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)  # [B, H, T, S]
+        if training and dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p, training=True)  # [B, H, T, S]
+        out = torch.matmul(weights, v)  # [B, H, T, Dv]
+    return out.to(out_dtype), weights.to(out_dtype)
