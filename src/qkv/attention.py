@@ -99,9 +99,8 @@ def validate_mask(mask: object, B: int, H: int, T: int, S: int, device: torch.de
     Masks of fewer than 4 dimensions broadcast from the right, which silently turns a
     ``[B, S]`` key-padding mask into a ``[T, S]`` one when ``B == T``. So: a 1-D mask must be
     ``[S]``; a 2-D mask must be ``[T, S]`` (or ``[1, S]``) and is refused as ambiguous when
-    ``B == T > 1``;
-    a 3-D mask must have a leading 1. Use 4-D masks (every builder in :mod:`qkv.masks` returns
-    one) to say exactly what is meant.
+    ``B == T > 1``; a 3-D mask must have a leading 1. Use 4-D masks (every builder in
+    :mod:`qkv.masks` returns one) to say exactly what is meant.
 
     Raises:
         TypeError: the mask is not a bool tensor.
