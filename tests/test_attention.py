@@ -229,7 +229,7 @@ def test_dropout_weights_are_the_ones_multiplied_with_v() -> None:
     out, weights = qkv.scaled_dot_product_attention(q, k, v, blocked, 0.5, True)
     _, undropped = reference_f64(q, k, v, blocked)
     kept = weights != 0
-    assert 0 < int((undropped != 0).sum() - kept.sum())  # some weights really were dropped
+    assert int((undropped != 0).sum() - kept.sum()) > 0  # some weights really were dropped
     torch.testing.assert_close(weights[kept], undropped[kept] / 0.5)  # survivors scaled 1/(1-p)
     torch.testing.assert_close(out, weights @ v)
     out_kw, w_kw = qkv.attention(
@@ -259,7 +259,9 @@ def _qkv(**shapes: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
 
 def test_rejects_not_4d() -> None:
     q, k, v = _qkv(q=(3, 4, 8))
-    with pytest.raises(ValueError, match=r"query must be 4-D \[B, H, T, Dh\], got shape \(3, 4, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"query must be 4-D \[B, H, T, Dh\], got shape \(3, 4, 8\)"
+    ):
         sdpa(q, k, v)
 
 
