@@ -120,6 +120,8 @@ def test_combine() -> None:
         masks.combine(pad, masks.causal_mask(3, 4))
     with pytest.raises(TypeError, match=r"masks\[1\] must be a bool tensor"):
         masks.combine(pad, tri.float())
+    with pytest.raises(ValueError, match=r"different devices: \['cpu', 'meta'\]"):
+        masks.combine(tri, masks.causal_mask(3, device=torch.device("meta")))
 
 
 # --- converters: round trips ----------------------------------------------------------------
@@ -145,6 +147,8 @@ def test_converter_errors() -> None:
         masks.to_hf(masks.causal_mask(3))
     with pytest.raises(TypeError, match="must be a bool tensor"):
         masks.to_sdpa_bool(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"needs a floating dtype .* got torch\.int64"):
+        masks.to_additive(masks.causal_mask(3), torch.int64)
     with pytest.raises(ValueError, match=r"\[B \* H, T, S\] = \[4, T, S\], got \(3, 4, 6\)"):
         masks.from_mha_attn_mask(torch.zeros(3, 4, 6, dtype=torch.bool), 2, 2)
 
