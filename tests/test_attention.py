@@ -34,12 +34,15 @@ def reference_f64(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None) -> tu
     return weights @ v, weights
 
 
-def naive_same_precision(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None) -> Tensor:
+def naive_same_precision(
+    q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """The formula computed entirely in the inputs' dtype (what qkv must not be worse than)."""
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [B, H, T, S]
     if blocked is not None:
         scores = scores.masked_fill(blocked, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v  # [B, H, T, Dv]
+    weights = torch.softmax(scores, dim=-1)  # [B, H, T, S]
+    return weights @ v, weights  # [B, H, T, Dv]
 
 
 def make_masks() -> dict[str, Tensor | None]:
@@ -87,9 +90,11 @@ def test_matches_float64_reference(kind: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(weights, ref_w)
     else:
-        err = (out.double() - ref_out).abs().max()
-        naive_err = (naive_same_precision(q, k, v, blocked).double() - ref_out).abs().max()
-        assert err <= 2 * naive_err, f"qkv error {err:.3g} > 2 x naive {dtype} {naive_err:.3g}"
+        naive_out, naive_w = naive_same_precision(q, k, v, blocked)
+        for got, naive, ref in ((out, naive_out, ref_out), (weights, naive_w, ref_w)):
+            err = (got.double() - ref).abs().max()
+            naive_err = (naive.double() - ref).abs().max()
+            assert err <= 2 * naive_err, f"qkv error {err:.3g} > 2 x naive {dtype} {naive_err:.3g}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -138,7 +143,7 @@ def test_fp16_overflowing_dot_products_stay_finite() -> None:
     v = torch.randn(1, 2, 6, 5, generator=gen).half()
     # In float16 the raw dot products (about 300 * 300 * 64 = 5.8e6) overflow to inf.
     assert torch.isinf(q @ k.transpose(-2, -1)).all()
-    assert not torch.isfinite(naive_same_precision(q, k, v, None)).all()
+    assert not torch.isfinite(naive_same_precision(q, k, v, None)[0]).all()
     out, weights = qkv.scaled_dot_product_attention(q, k, v)
     assert torch.isfinite(out).all() and torch.isfinite(weights).all()
     ref_out, ref_w = reference_f64(q, k, v, None)
