@@ -66,6 +66,16 @@ def test_blocked_keys_do_not_change_the_output(
     out2, weights2 = qkv.scaled_dot_product_attention(q, k2, v2, mask)
     torch.testing.assert_close(weights2, weights, atol=0, rtol=0)
     torch.testing.assert_close(out2, out, atol=0, rtol=0)
+    # Per query: one query row alone ignores every key blocked for that row.
+    t = q.shape[2] // 2
+    row_mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])[:, :, t : t + 1]
+    seen_not = row_mask[:, :, 0]  # [B, H, S]
+    v3, k3 = v.clone(), k.clone()
+    v3[seen_not] = huge
+    k3[seen_not] = huge
+    row = qkv.scaled_dot_product_attention(q[:, :, t : t + 1], k, v, row_mask)
+    row3 = qkv.scaled_dot_product_attention(q[:, :, t : t + 1], k3, v3, row_mask)
+    torch.testing.assert_close(row3, row, atol=0, rtol=0)
 
 
 @settings(max_examples=25, deadline=None)
