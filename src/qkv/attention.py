@@ -98,9 +98,9 @@ def validate_mask(mask: object, B: int, H: int, T: int, S: int, device: torch.de
 
     Masks of fewer than 4 dimensions broadcast from the right, which silently turns a
     ``[B, S]`` key-padding mask into a ``[T, S]`` one when ``B == T``. So: a 1-D mask must be
-    ``[S]``; a 2-D mask must be ``[T, S]`` and is refused as ambiguous when ``B == T > 1``;
-    a 3-D mask must have a leading 1. Use 4-D masks (every builder in :mod:`qkv.masks` returns
-    one) to say exactly what is meant.
+    ``[S]``; a 2-D mask must be ``[T, S]`` (or ``[1, S]``) and is refused as ambiguous when
+    ``B == T > 1``; a 3-D mask must have a leading 1. Use 4-D masks (every builder in
+    :mod:`qkv.masks` returns one) to say exactly what is meant.
 
     Raises:
         TypeError: the mask is not a bool tensor.
@@ -118,12 +118,13 @@ def validate_mask(mask: object, B: int, H: int, T: int, S: int, device: torch.de
     shape = _shape(mask)
     pad_hint = "use qkv.masks.padding_mask(lengths or is_pad [B, S]) to get [B, 1, 1, S]"
     if mask.dim() == 2:
-        if shape[0] == B and shape[0] != T and shape[1] == S:
+        # A [1, S] mask reads the same as [B, S] and as [T, S]: nothing to refuse.
+        if shape[0] == B != 1 and shape[0] != T and shape[1] == S:
             raise ValueError(
                 f"mask of shape {shape} looks like a key-padding mask [B, S]; broadcasting would "
                 f"read it as [T, S]. {pad_hint}"
             )
-        if B == T and B > 1 and shape[0] == T:
+        if B == T > 1 and shape[0] == T:
             raise ValueError(
                 f"2-D mask {shape} is ambiguous when B == T == {T}: it could be a [B, S] "
                 f"key-padding mask. Pass mask[None, None] for a [T, S] mask, or {pad_hint}"

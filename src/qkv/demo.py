@@ -53,14 +53,16 @@ def run_demo(
     if len(lengths) != B:
         raise ValueError(f"lengths must have B={B} entries, got {lengths}")
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    mha = MultiHeadAttention(D, H).eval()
+    # Module construction draws from the global RNG: seed it without touching the caller's.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mha = MultiHeadAttention(D, H).eval()
+        ref = to_torch_mha(mha).eval()  # its own init is overwritten by the copy
     x = torch.randn(B, T, D, generator=gen)  # [B, T, D]
     pad = padding_mask(torch.tensor(lengths), T)  # [B, 1, 1, T]
     blocked = combine(pad, causal_mask(T))  # [B, 1, T, T]
     with torch.no_grad():
         out, weights = mha(x, mask=blocked, average_attn_weights=False)  # [B,T,D], [B,H,T,T]
-        ref = to_torch_mha(mha).eval()
         key_padding = to_mha_bool(pad[:, 0, 0, :])  # [B, T], True = ignore
         causal = to_mha_bool(causal_mask(T)[0, 0])  # [T, T], True = ignore
         ref_out, ref_w = ref(

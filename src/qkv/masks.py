@@ -216,11 +216,15 @@ def combine(*masks: Tensor | None) -> Tensor | None:
 
     Raises:
         TypeError: a mask is not a bool tensor.
-        ValueError: the masks do not broadcast together (their shapes are listed).
+        ValueError: the masks do not broadcast together (their shapes are listed), or lie on
+            different devices.
     """
     present = [_check_bool(f"masks[{i}]", m) for i, m in enumerate(masks) if m is not None]
     if not present:
         return None
+    devices = {m.device for m in present}
+    if len(devices) > 1:
+        raise ValueError(f"masks are on different devices: {[str(m.device) for m in present]}")
     try:
         torch.broadcast_shapes(*(m.shape for m in present))
     except RuntimeError as err:
@@ -338,7 +342,13 @@ def from_additive(mask: Tensor) -> Tensor:
 
 
 def to_additive(blocked: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """qkv mask to an additive float mask: 0 where allowed, ``-inf`` where blocked."""
+    """qkv mask to an additive float mask: 0 where allowed, ``-inf`` where blocked.
+
+    Raises:
+        TypeError: ``blocked`` is not bool, or ``dtype`` is not a floating dtype.
+    """
     m = _check_bool("blocked", blocked)
+    if not dtype.is_floating_point:
+        raise TypeError(f"an additive mask needs a floating dtype (it holds -inf), got {dtype}")
     out = torch.zeros(m.shape, dtype=dtype, device=m.device)
     return out.masked_fill(m, float("-inf"))
