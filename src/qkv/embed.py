@@ -256,8 +256,11 @@ def embed(
 def format_embed(result: EmbedResult) -> str:
     """The report ``qkv embed`` prints: width, similarity matrix, sentences, throughput."""
     n = len(result.sentences)
+    model = result.model_dir.resolve()
+    if model.is_relative_to(Path.cwd()):
+        model = model.relative_to(Path.cwd())
     lines = [
-        f"model: {result.model_dir}",
+        f"model: {model}",
         f"embedding dim: {result.embeddings.shape[1]}",
         "cosine similarity:",
         "      " + "".join(f"{f'[{j + 1}]':>8}" for j in range(n)),
