@@ -25,6 +25,18 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_embed(args: argparse.Namespace) -> int:
+    from qkv.embed import embed, format_embed
+
+    try:
+        result = embed(args.sentences, args.model, backend=args.backend)
+    except FileNotFoundError as err:
+        print(f"qkv embed: error: {err}")
+        return 2
+    print(format_embed(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="qkv", description="Transformer attention you can trust")
@@ -38,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in (("B", 2), ("H", 4), ("T", 3), ("S", 5), ("Dh", 8), ("Dv", 6)):
         shapes.add_argument(f"--{name}", type=int, default=default)
     shapes.set_defaults(func=_cmd_shapes)
+
+    emb = sub.add_parser("embed", help="sentence embeddings and their cosine similarities")
+    emb.add_argument("sentences", nargs="+", help="the sentences to embed")
+    emb.add_argument("--model", default=None, help="BERT checkpoint directory (default MiniLM)")
+    emb.add_argument("--backend", default="auto", help="attention backend")
+    emb.set_defaults(func=_cmd_embed)
 
     return parser
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import attention
+from qkv.attention import Backend, attention
 from qkv.masks import combine, from_additive, from_mha_attn_mask, padding_mask
 
 __all__ = ["MultiHeadAttention"]
@@ -53,6 +53,7 @@ class MultiHeadAttention(nn.Module):
     Attributes:
         record_weights: when True, every forward keeps its per-head weights ``[B, H, T, S]``
             (detached) in ``last_weights``, for plots. Off by default: it costs the fast path.
+        backend: the :func:`qkv.attention` backend every forward uses (default ``"auto"``).
 
     Raises:
         ValueError: a width that does not divide, non-positive sizes, dropout outside [0, 1].
@@ -108,6 +109,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.record_weights = False
         self.last_weights: Tensor | None = None
+        self.backend: Backend = "auto"  # forwarded to qkv.attention; see its backend arg
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         B, L, _ = x.shape
@@ -187,6 +189,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=want_weights,
             dropout_p=self.dropout,
             training=self.training,
+            backend=self.backend,
         )  # [B, H, T, Dh], [B, H, T, S] or None
         if self.record_weights and weights is not None:
             self.last_weights = weights.detach()

@@ -1,0 +1,270 @@
+"""A BERT encoder built from qkv parts: embeddings, then post-norm :class:`EncoderLayer` s.
+
+This is the architecture of Hugging Face ``BertModel`` without its pooler (sentence embeddings
+mean-pool the last hidden states instead; see :mod:`qkv.embed`). Weights come from a checkpoint
+through :func:`qkv.convert.load_bert`.
+
+Shapes: B batch, T tokens, D ``hidden_size``, H ``num_attention_heads``, V ``vocab_size``.
+Padding arrives as a Hugging Face ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding) and is
+converted once, at the edge, with :func:`qkv.masks.from_hf` into qkv's convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from qkv.attention import BACKENDS, Backend
+from qkv.masks import from_hf
+from qkv.modules.feed_forward import Activation
+from qkv.modules.layers import EncoderLayer
+
+__all__ = ["BERT_ACTIVATIONS", "BertConfig", "BertEmbeddings", "BertEncoder"]
+
+BERT_ACTIVATIONS: tuple[str, ...] = ("gelu", "relu")
+"""``hidden_act`` values qkv reproduces exactly: ``"gelu"`` is the erf form in both libraries."""
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The sizes of a BERT encoder; field names are those of Hugging Face's ``config.json``.
+
+    Args:
+        vocab_size: V, rows of the word embedding.
+        hidden_size: D.
+        num_hidden_layers: number of encoder layers.
+        num_attention_heads: H; must divide ``hidden_size``.
+        intermediate_size: inner width of the feed-forward blocks.
+        hidden_act: ``"gelu"`` (exact erf form) or ``"relu"``.
+        hidden_dropout_prob: dropout after the embeddings and on each residual branch.
+        attention_probs_dropout_prob: dropout on the attention weights.
+        max_position_embeddings: rows of the learned absolute position embedding (longest T).
+        type_vocab_size: rows of the token-type (segment) embedding.
+        layer_norm_eps: eps of every LayerNorm.
+        pad_token_id: the padding token (its word-embedding row gets no gradient).
+
+    Raises:
+        ValueError: a non-positive size, heads that do not divide the width, an unsupported
+            activation, a probability outside [0, 1], a pad id outside the vocabulary.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"BertConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"BertConfig.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.hidden_act not in BERT_ACTIVATIONS:
+            raise ValueError(
+                f"BertConfig.hidden_act must be one of {BERT_ACTIVATIONS}, got "
+                f"{self.hidden_act!r} (tanh-approximated GELUs such as 'gelu_new' would give "
+                "other numbers than the checkpoint was trained with)"
+            )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            p = getattr(self, name)
+            if not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+                raise ValueError(f"BertConfig.{name} must lie in [0, 1], got {p!r}")
+        if not isinstance(self.layer_norm_eps, int | float) or not self.layer_norm_eps > 0:
+            raise ValueError(f"BertConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
+        if not isinstance(self.pad_token_id, int) or not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"BertConfig.pad_token_id must lie in [0, vocab_size={self.vocab_size}), "
+                f"got {self.pad_token_id!r}"
+            )
+
+
+class BertEmbeddings(nn.Module):
+    """``dropout(norm(word[ids] + position[0..T-1] + token_type[type_ids]))``.
+
+    Args:
+        config: the sizes.
+        device: parameter device.
+        dtype: parameter dtype.
+    """
+
+    def __init__(
+        self,
+        config: BertConfig,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        D = config.hidden_size
+        self.word_embeddings = nn.Embedding(
+            config.vocab_size, D, padding_idx=config.pad_token_id, **factory
+        )
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, D, **factory)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, D, **factory)
+        self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps, **factory)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        """Args:
+            input_ids: ``[B, T]`` token ids.
+            token_type_ids: ``[B, T]`` segment ids.
+
+        Returns:
+            ``[B, T, D]``.
+        """
+        T = input_ids.shape[1]
+        positions = torch.arange(T, device=input_ids.device)  # [T]
+        x = self.word_embeddings(input_ids)  # [B, T, D]
+        x = x + self.position_embeddings(positions)[None]  # [B, T, D]
+        x = x + self.token_type_embeddings(token_type_ids)  # [B, T, D]
+        return self.dropout(self.norm(x))  # [B, T, D]
+
+
+def _check_ids(name: str, ids: Tensor, shape: tuple[int, ...], upper: int, field: str) -> None:
+    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an int32/int64 tensor, got {got}")
+    if tuple(ids.shape) != shape:
+        raise ValueError(f"{name} must be [B, T] = {list(shape)}, got {list(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= upper):
+        raise ValueError(
+            f"{name} must lie in [0, {field}={upper}), got values in "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+
+
+class BertEncoder(nn.Module):
+    """Token ids to contextual hidden states, as ``BertModel(...).last_hidden_state``.
+
+    Args:
+        config: the sizes.
+        backend: the :func:`qkv.attention` backend of every layer (see :attr:`backend`).
+        device: parameter device.
+        dtype: parameter dtype.
+
+    Attributes:
+        embeddings: :class:`BertEmbeddings`.
+        layers: ``nn.ModuleList`` of post-norm :class:`EncoderLayer` (GELU, the config's eps).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+
+    def __init__(
+        self,
+        config: BertConfig,
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.config = config
+        self.embeddings = BertEmbeddings(config, **factory)
+        self.layers = nn.ModuleList()
+        for _ in range(config.num_hidden_layers):
+            layer = EncoderLayer(
+                config.hidden_size,
+                config.num_attention_heads,
+                config.intermediate_size,
+                dropout=config.hidden_dropout_prob,
+                activation=cast(Activation, config.hidden_act),
+                norm_first=False,
+                layer_norm_eps=config.layer_norm_eps,
+                **factory,
+            )
+            # BERT's dropouts differ from EncoderLayer's single rate: its own rate on the
+            # attention weights, and none on the feed-forward activation.
+            layer.self_attn.dropout = config.attention_probs_dropout_prob
+            layer.ffn.dropout.p = 0.0
+            self.layers.append(layer)
+        self.backend = backend
+
+    @property
+    def backend(self) -> str:
+        """The attention backend of every layer; one of ``qkv.attention.BACKENDS``."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        if value not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
+        self._backend = value
+        for layer in self.layers:
+            assert isinstance(layer, EncoderLayer)
+            layer.self_attn.backend = cast(Backend, value)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Encode a batch.
+
+        Args:
+            input_ids: ``[B, T]`` int token ids, ``T <= max_position_embeddings``.
+            attention_mask: Hugging Face ``[B, T]``, 1 = token, 0 = padding (default: no
+                padding). Padded keys are blocked; padded positions still get (unused) outputs,
+                exactly as in ``BertModel``.
+            token_type_ids: ``[B, T]`` segment ids (default: all 0).
+
+        Returns:
+            ``[B, T, D]`` last hidden states.
+
+        Raises:
+            TypeError: ids that are not integer tensors.
+            ValueError: ids that are not ``[B, T]`` or lie outside their embedding, ``T`` longer
+                than ``max_position_embeddings``, an ``attention_mask`` of another shape or with
+                values other than 0 and 1.
+        """
+        cfg = self.config
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = list(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
+            raise ValueError(f"input_ids must be [B, T], got {got}")
+        B, T = input_ids.shape
+        _check_ids("input_ids", input_ids, (B, T), cfg.vocab_size, "vocab_size")
+        if cfg.max_position_embeddings < T:
+            raise ValueError(
+                f"input_ids has T={T} tokens but max_position_embeddings="
+                f"{cfg.max_position_embeddings}; truncate the input"
+            )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        _check_ids("token_type_ids", token_type_ids, (B, T), cfg.type_vocab_size, "type_vocab_size")
+        mask = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, T):
+                raise ValueError(
+                    f"attention_mask must be [B, T] = {[B, T]}, got {list(attention_mask.shape)}"
+                )
+            mask = from_hf(attention_mask)  # [B, 1, 1, T], True = padding
+        x = self.embeddings(input_ids, token_type_ids)  # [B, T, D]
+        for layer in self.layers:
+            x = layer(x, mask)  # [B, T, D]
+        return x
