@@ -108,14 +108,14 @@ def test_generate_n_equals_generate_n_minus_one_then_one_step() -> None:
     src, _ = _src()
     for n in (3, 6):
         longer, shorter = model.generate(src, n), model.generate(src, n - 1)
-        assert torch.equal(longer[:, : shorter.shape[1]], shorter) or bool(
-            (shorter == EOS).any(1).all()
-        )
-        full = model(src, shorter)[:, -1].argmax(-1)  # the one more step, without cache
         finished = (shorter == EOS).any(1)
-        expected_last = torch.where(finished, torch.full_like(full, PAD), full)
-        if longer.shape[1] == shorter.shape[1] + 1:
-            assert torch.equal(longer[:, -1], expected_last)
+        if bool(finished.all()):  # every row ended: one more step adds nothing
+            assert torch.equal(longer, shorter)
+            continue
+        assert longer.shape[1] == shorter.shape[1] + 1
+        assert torch.equal(longer[:, :-1], shorter)
+        one_more = model(src, shorter)[:, -1].argmax(-1)  # the extra step, without a cache
+        assert torch.equal(longer[:, -1], torch.where(finished, PAD, one_more))
 
 
 def test_generate_stops_at_eos_and_pads() -> None:
