@@ -59,7 +59,8 @@ class RunOptions:
         stop_after: stop once this step is reached (saving first), although the schedule spans
             ``TrainConfig.steps``; resume later with ``resume=True``.
         target_accuracy: stop at the first evaluation reaching this held-out accuracy.
-        progress: show the tqdm bar and evaluation lines (rank 0 only).
+        progress: show the tqdm bar (rank 0 only).
+        log_evals: print a line per evaluation (rank 0 only).
     """
 
     out: str | Path | None = None
@@ -69,6 +70,7 @@ class RunOptions:
     stop_after: int | None = None
     target_accuracy: float | None = None
     progress: bool = True
+    log_evals: bool = True
 
 
 @dataclass
@@ -297,7 +299,7 @@ def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContex
             result.evals.append(
                 {"step": result.step, "accuracy": acc, "loss": eval_loss, "seconds": seconds}
             )
-            if opts.progress and ctx.is_main:
+            if opts.log_evals and ctx.is_main:
                 bar.write(
                     f"step {result.step}: held-out {_metric(task)} {acc:.2%}, "
                     f"loss {eval_loss:.4f}, {seconds:.1f} s"
