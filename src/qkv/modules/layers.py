@@ -8,13 +8,16 @@ Masks are in qkv's convention (bool, True = blocked, broadcastable to ``[B, H, T
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from qkv.modules.feed_forward import Activation, FeedForward
 from qkv.modules.multihead import MultiHeadAttention
+
+if TYPE_CHECKING:
+    from qkv.modules.kv_cache import KVCache
 
 NormKind = Literal["layer", "rms"]
 
@@ -90,24 +93,47 @@ class EncoderLayer(nn.Module):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
-    def _attn_block(self, x: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal)
+    def _attn_block(
+        self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
+    ) -> Tensor:
+        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
         return self.dropout1(out)  # [B, T, D]
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, *, is_causal: bool = False) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        is_causal: bool = False,
+        bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        layer_idx: int = 0,
+    ) -> Tensor:
         """Args:
             x: ``[B, T, D]``.
-            mask: bool, True = blocked, broadcastable to ``[B, H, T, T]`` (e.g. key padding).
-            is_causal: also block future positions.
+            mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (e.g. key padding);
+                ``S = T`` without a cache, cached + new tokens with one.
+            is_causal: also block future positions (bottom-right aligned, right with a cache).
+            bias: float score bias ``[*, H, T, S]`` (ALiBi).
+            rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for these positions.
+            kv_cache: decode incrementally: keys/values of earlier tokens come from the cache.
+            layer_idx: this layer's slot in the cache.
 
         Returns:
             ``[B, T, D]``.
         """
+        extra: dict[str, Any] = {
+            "bias": bias,
+            "rope": rope,
+            "kv_cache": kv_cache,
+            "layer_idx": layer_idx,
+        }
         if self.norm_first:
-            x = x + self._attn_block(self.norm1(x), mask, is_causal)  # [B, T, D]
+            x = x + self._attn_block(self.norm1(x), mask, is_causal, extra)  # [B, T, D]
             x = x + self.dropout2(self.ffn(self.norm2(x)))  # [B, T, D]
         else:
-            x = self.norm1(x + self._attn_block(x, mask, is_causal))  # [B, T, D]
+            x = self.norm1(x + self._attn_block(x, mask, is_causal, extra))  # [B, T, D]
             x = self.norm2(x + self.dropout2(self.ffn(x)))  # [B, T, D]
         return x
 
@@ -151,12 +177,16 @@ class DecoderLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
         self.dropout3 = nn.Dropout(dropout)
 
-    def _self_block(self, x: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal)
+    def _self_block(
+        self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
+    ) -> Tensor:
+        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
         return self.dropout1(out)  # [B, T, D]
 
-    def _cross_block(self, x: Tensor, memory: Tensor, mask: Tensor | None) -> Tensor:
-        out, _ = self.cross_attn(x, memory, memory, need_weights=False, mask=mask)
+    def _cross_block(
+        self, x: Tensor, memory: Tensor, mask: Tensor | None, extra: dict[str, Any]
+    ) -> Tensor:
+        out, _ = self.cross_attn(x, memory, memory, need_weights=False, mask=mask, **extra)
         return self.dropout2(out)  # [B, T, D]
 
     def forward(
@@ -167,23 +197,41 @@ class DecoderLayer(nn.Module):
         memory_mask: Tensor | None = None,
         *,
         is_causal: bool = True,
+        self_bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        layer_idx: int = 0,
     ) -> Tensor:
         """Args:
             x: target ``[B, T, D]``.
             memory: encoder output ``[B, S, D]``.
-            self_mask: bool, True = blocked, broadcastable to ``[B, H, T, T]`` (target padding).
+            self_mask: bool, True = blocked, broadcastable to ``[B, H, T, T]`` (target padding;
+                with a cache the last dim counts cached + new tokens).
             memory_mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (source padding).
-            is_causal: block future target positions (default True).
+            is_causal: block future target positions (default True; bottom-right aligned).
+            self_bias: float score bias for the self-attention (ALiBi).
+            rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for the target positions (self-attention
+                only).
+            kv_cache: decode incrementally: self-attention keys/values are appended, the
+                cross-attention ones computed once.
+            layer_idx: this layer's slot in the cache.
 
         Returns:
             ``[B, T, D]``.
         """
+        sa: dict[str, Any] = {
+            "bias": self_bias,
+            "rope": rope,
+            "kv_cache": kv_cache,
+            "layer_idx": layer_idx,
+        }
+        ca: dict[str, Any] = {"kv_cache": kv_cache, "layer_idx": layer_idx, "cross": True}
         if self.norm_first:
-            x = x + self._self_block(self.norm1(x), self_mask, is_causal)  # [B, T, D]
-            x = x + self._cross_block(self.norm2(x), memory, memory_mask)  # [B, T, D]
+            x = x + self._self_block(self.norm1(x), self_mask, is_causal, sa)  # [B, T, D]
+            x = x + self._cross_block(self.norm2(x), memory, memory_mask, ca)  # [B, T, D]
             x = x + self.dropout3(self.ffn(self.norm3(x)))  # [B, T, D]
         else:
-            x = self.norm1(x + self._self_block(x, self_mask, is_causal))  # [B, T, D]
-            x = self.norm2(x + self._cross_block(x, memory, memory_mask))  # [B, T, D]
+            x = self.norm1(x + self._self_block(x, self_mask, is_causal, sa))  # [B, T, D]
+            x = self.norm2(x + self._cross_block(x, memory, memory_mask, ca))  # [B, T, D]
             x = self.norm3(x + self.dropout3(self.ffn(x)))  # [B, T, D]
         return x

@@ -6,13 +6,17 @@ Shapes: B batch, T query length, S key length, D = ``embed_dim``, H heads, Hkv k
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention import attention
 from qkv.masks import combine, from_additive, from_mha_attn_mask, padding_mask
+from qkv.modules.positional import apply_rotary
+
+if TYPE_CHECKING:
+    from qkv.modules.kv_cache import KVCache
 
 __all__ = ["MultiHeadAttention"]
 
@@ -113,6 +117,30 @@ class MultiHeadAttention(nn.Module):
         B, L, _ = x.shape
         return x.view(B, L, heads, self.head_dim).transpose(1, 2)  # [B, heads, L, Dh]
 
+    def _keys_values(
+        self,
+        key: Tensor,
+        value: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        kv_cache: KVCache | None,
+        layer_idx: int,
+        cross: bool,
+    ) -> tuple[Tensor, Tensor]:
+        if kv_cache is not None and cross:
+            stored = kv_cache.get_cross(layer_idx)
+            if stored is not None:
+                return stored  # [B, Hkv, S, Dh] x 2, projected at the first step
+        k = self._split(self.k_proj(key), self.num_kv_heads)  # [B, Hkv, S, Dh]
+        v = self._split(self.v_proj(value), self.num_kv_heads)  # [B, Hkv, S, Dh]
+        if rope is not None:
+            k = apply_rotary(k, *rope)  # [B, Hkv, S, Dh]
+        if kv_cache is not None:
+            if cross:
+                kv_cache.set_cross(layer_idx, k, v)
+            else:
+                k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S_cached + S, Dh] x 2
+        return k, v
+
     def _check_input(self, name: str, x: Tensor, width: int) -> None:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -132,6 +160,11 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         *,
         mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        layer_idx: int = 0,
+        cross: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -148,6 +181,15 @@ class MultiHeadAttention(nn.Module):
             is_causal: block future keys (bottom-right aligned, see :func:`qkv.attention`).
             mask: a mask in qkv's convention (True = blocked, broadcastable to
                 ``[B, H, T, S]``), combined with the two above.
+            bias: float score bias broadcastable to ``[B, H, T, S]`` (ALiBi).
+            rope: ``(cos, sin)``, each ``[T, Dh]``, for the query positions: rotate queries and
+                the new keys (self-attention only; see :mod:`qkv.modules.positional`).
+            kv_cache: append the new keys/values to this cache (self-attention) or compute the
+                cross-attention keys/values once and reuse them (``cross=True``). ``S`` then
+                counts every cached key; masks must cover all of them.
+            layer_idx: this layer's slot in ``kv_cache``.
+            cross: the keys/values come from a fixed source (encoder output) and are cached as
+                such.
 
         Returns:
             ``(output [B, T, D], weights or None)``.
@@ -175,14 +217,16 @@ class MultiHeadAttention(nn.Module):
             None if attn_mask is None else from_mha_attn_mask(attn_mask, B, self.num_heads),
         )
         q = self._split(self.q_proj(query), self.num_heads)  # [B, H, T, Dh]
-        k = self._split(self.k_proj(key), self.num_kv_heads)  # [B, Hkv, S, Dh]
-        v = self._split(self.v_proj(value), self.num_kv_heads)  # [B, Hkv, S, Dh]
+        k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
+        if rope is not None:
+            q = apply_rotary(q, *rope)  # [B, H, T, Dh]
         want_weights = need_weights or self.record_weights
         out, weights = attention(
             q,
             k,
             v,
             mask=blocked,
+            bias=bias,
             is_causal=is_causal,
             need_weights=want_weights,
             dropout_p=self.dropout,

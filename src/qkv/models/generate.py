@@ -1,0 +1,228 @@
+"""Decoding with the KV cache: greedy and beam search (encoder–decoder), greedy / temperature /
+top-k sampling (decoder-only).
+
+Every loop feeds only the newest token(s) to the model; the cache supplies the rest, so a step
+costs the same at position 10 as at position 1000 (up to the attention over the cache).
+
+Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from qkv.models.decoder_only import DecoderOnlyLM
+    from qkv.models.encoder_decoder import Transformer
+
+__all__ = ["beam_search", "greedy_encoder_decoder", "sample_decoder_only"]
+
+
+def _check_steps(max_new_tokens: object, start: int, max_len: int) -> int:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if start + max_new_tokens > max_len:
+        raise ValueError(
+            f"{start} prompt tokens + max_new_tokens={max_new_tokens} exceed the model's "
+            f"max_len={max_len}"
+        )
+    return max_new_tokens
+
+
+def _src_padding(model: Transformer, src: Tensor, src_padding_mask: Tensor | None) -> Tensor:
+    from qkv.models.encoder_decoder import check_ids
+
+    check_ids("src", src, model.config.src_vocab_size)
+    if src_padding_mask is None:
+        return src == model.config.pad_id  # [B, S]
+    if src_padding_mask.dtype != torch.bool or src_padding_mask.shape != src.shape:
+        raise ValueError(
+            f"src_padding_mask must be bool {tuple(src.shape)}, got {src_padding_mask.dtype} "
+            f"{tuple(src_padding_mask.shape)}"
+        )
+    return src_padding_mask
+
+
+def greedy_encoder_decoder(
+    model: Transformer, src: Tensor, max_new_tokens: int, src_padding_mask: Tensor | None
+) -> Tensor:
+    """Greedy decoding; see :meth:`Transformer.generate`."""
+    c = model.config
+    n = _check_steps(max_new_tokens, 1, c.max_len)
+    is_pad = _src_padding(model, src, src_padding_mask)  # [B, S]
+    memory = model.encode(src, is_pad)  # [B, S, D]
+    B = src.shape[0]
+    cache = model.new_cache(1 + n)
+    out = torch.full((B, 1), c.bos_id, dtype=torch.long, device=src.device)  # [B, 1]
+    finished = torch.zeros(B, dtype=torch.bool, device=src.device)  # [B]
+    step_in = out
+    for _ in range(n):
+        logits = model.decode(step_in, memory, is_pad, cache=cache)[:, -1]  # [B, V]
+        nxt = logits.argmax(dim=-1)  # [B]
+        nxt = torch.where(finished, torch.full_like(nxt, c.pad_id), nxt)  # [B]
+        out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]
+        finished = finished | (nxt == c.eos_id)
+        if bool(finished.all()):
+            break
+        step_in = nxt[:, None]  # [B, 1]
+    return out
+
+
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    max_new_tokens: int,
+    src_padding_mask: Tensor | None,
+    beam_size: int,
+    length_penalty: float,
+) -> Tensor:
+    """Beam search; returns the best hypothesis per source (see :meth:`Transformer.generate`).
+
+    Each step extends every live beam by every token and keeps the ``K`` best non-final
+    continuations by summed log-probability; a continuation ending in ``eos_id`` becomes a
+    finished hypothesis scored ``sum log p / length ** length_penalty`` (``length`` counts the
+    generated tokens, ``eos_id`` included). Live beams still open after ``n`` steps finish there.
+    A source stops early once its best finished score beats an upper bound of what any live beam
+    can still reach (log-probabilities only fall as a beam grows).
+
+    Raises:
+        ValueError: ``beam_size < 1`` or bad ``max_new_tokens``.
+    """
+    c = model.config
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    n = _check_steps(max_new_tokens, 1, c.max_len)
+    lp = float(length_penalty)
+    K = beam_size
+    is_pad = _src_padding(model, src, src_padding_mask)  # [B, S]
+    B = src.shape[0]
+    dev = src.device
+    memory = model.encode(src, is_pad).repeat_interleave(K, dim=0)  # [B*K, S, D]
+    is_pad = is_pad.repeat_interleave(K, dim=0)  # [B*K, S]
+    cache = model.new_cache(1 + n)
+    seqs = torch.full((B * K, 1), c.bos_id, dtype=torch.long, device=dev)  # [B*K, 1]
+    scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
+    scores[:, 0] = 0.0
+    best: list[tuple[float, Tensor] | None] = [None] * B
+    done = [False] * B
+    step_in = seqs
+    for step in range(1, n + 1):
+        logits = model.decode(step_in, memory, is_pad, cache=cache)[:, -1]  # [B*K, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [B*K, V]
+        V = logp.shape[-1]
+        cand = (scores.reshape(B * K, 1) + logp).reshape(B, K * V)  # [B, K*V]
+        top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)  # [B, 2K]
+        new_scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
+        new_beam = torch.zeros((B, K), dtype=torch.long, device=dev)  # [B, K]
+        new_tok = torch.full((B, K), c.pad_id, dtype=torch.long, device=dev)  # [B, K]
+        for b in range(B):
+            j = 0
+            for s, idx in zip(top_s[b].tolist(), top_i[b].tolist(), strict=True):
+                if s == float("-inf") or j == K:
+                    break
+                beam, tok = divmod(idx, V)
+                if tok == c.eos_id:
+                    if not done[b]:
+                        _offer(best, b, s / step**lp, seqs[b * K + beam], tok)
+                    continue
+                new_scores[b, j], new_beam[b, j], new_tok[b, j] = s, beam, tok
+                j += 1
+        flat = (torch.arange(B, device=dev)[:, None] * K + new_beam).reshape(-1)  # [B*K]
+        cache.reorder(flat)
+        seqs = torch.cat([seqs[flat], new_tok.reshape(-1, 1)], dim=1)  # [B*K, step + 1]
+        scores = new_scores
+        if step == n:
+            for b in range(B):
+                for j in range(K):
+                    s = float(scores[b, j])
+                    if s > float("-inf") and not done[b]:
+                        _offer(best, b, s / n**lp, seqs[b * K + j, :-1], int(seqs[b * K + j, -1]))
+            break
+        for b in range(B):
+            top_live = float(scores[b].max())
+            entry = best[b]
+            # a live beam ends with length in [step + 1, n] and score <= top_live <= 0
+            reach = top_live / (n**lp if lp >= 0 else (step + 1) ** lp)
+            if entry is not None and (top_live == float("-inf") or entry[0] >= reach):
+                done[b] = True
+        if all(done):
+            break
+        step_in = new_tok.reshape(-1, 1)  # [B*K, 1]
+    rows = [entry[1] for entry in best if entry is not None]
+    assert len(rows) == B, "every source has a hypothesis after the first step"
+    L = max(r.shape[0] for r in rows)
+    out = torch.full((B, L), c.pad_id, dtype=torch.long, device=dev)  # [B, L]
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out
+
+
+def _offer(
+    best: list[tuple[float, Tensor] | None], b: int, score: float, prefix: Tensor, tok: int
+) -> None:
+    entry = best[b]
+    if entry is None or score > entry[0]:
+        best[b] = (score, torch.cat([prefix, prefix.new_tensor([tok])]))
+
+
+def sample_decoder_only(
+    model: DecoderOnlyLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    greedy: bool,
+    eos_id: int | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """Greedy / temperature / top-k decoding; see :meth:`DecoderOnlyLM.generate`."""
+    from qkv.models.encoder_decoder import check_ids
+
+    c = model.config
+    check_ids("ids", ids, c.vocab_size)
+    n = _check_steps(max_new_tokens, ids.shape[1], c.max_len)
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    fill = c.pad_id if c.pad_id is not None else eos_id
+    B = ids.shape[0]
+    cache = model.new_cache(ids.shape[1] + n)
+    logits = model(ids, cache=cache)[:, -1]  # [B, V]
+    out = ids
+    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]
+    for step in range(n):
+        nxt = _pick(logits, temperature, top_k, greedy, generator)  # [B]
+        if eos_id is not None:
+            assert fill is not None
+            nxt = torch.where(finished, torch.full_like(nxt, fill), nxt)  # [B]
+            finished = finished | (nxt == eos_id)
+        out = torch.cat([out, nxt[:, None]], dim=1)  # [B, T0 + step + 1]
+        if eos_id is not None and bool(finished.all()):
+            break
+        if step < n - 1:
+            logits = model(nxt[:, None], cache=cache)[:, -1]  # [B, V]
+    return out
+
+
+def _pick(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> Tensor:
+    if greedy:
+        return logits.argmax(dim=-1)  # [B]
+    logits = logits.float() / temperature  # [B, V]
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]

@@ -1,0 +1,292 @@
+"""Position information: sinusoidal and learned absolute encodings, rotary embeddings (RoPE) and
+ALiBi score biases.
+
+Attention itself is permutation-equivariant: without positions, permuting the input tokens just
+permutes the encoder output. Each scheme here breaks that symmetry differently:
+
+* **sinusoidal** (Vaswani et al. 2017) and **learned** absolute encodings are *added* to the
+  token embeddings once, before the first layer;
+* **rotary** (RoPE, Su et al. 2021) *rotates* each query and key head vector by an angle
+  proportional to its position, in every layer, so that ``q_i · k_j`` depends on ``i - j``;
+* **ALiBi** (Press et al. 2021) adds ``-slope_h · |i - j|`` to the attention scores of head ``h``
+  (passed to :func:`qkv.attention` as ``bias=``).
+
+All of them accept a position ``offset`` (the number of tokens already in a KV cache), so that a
+token decoded alone gets the same encoding as in a full forward pass.
+
+Shapes: B batch, T length (new tokens), S key length, D model width, H heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ALiBi",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rotary",
+    "rotary_cos_sin",
+    "sinusoidal_table",
+]
+
+
+def _check_span(offset: int, T: int, max_len: int, what: str) -> None:
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if offset + T > max_len:
+        raise ValueError(
+            f"{what}: positions {offset}..{offset + T - 1} exceed max_len={max_len}; "
+            "build the model with a larger max_len"
+        )
+
+
+# --- sinusoidal ---------------------------------------------------------------------------------
+
+
+def sinusoidal_table(max_len: int, d_model: int, *, base: float = 10000.0) -> Tensor:
+    """``PE[p, 2i] = sin(p / base^(2i/D))``, ``PE[p, 2i+1] = cos(p / base^(2i/D))``.
+
+    Args:
+        max_len: number of positions.
+        d_model: D (an odd D drops the last cosine column).
+        base: the wavelength base (10000 in the paper).
+
+    Returns:
+        float32 ``[max_len, D]``.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+    if max_len < 1 or d_model < 1:
+        raise ValueError(f"max_len and d_model must be positive, got {max_len}, {d_model}")
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # [L, 1]
+    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # [ceil(D/2)]
+    angles = pos * inv_freq[None, :]  # [L, ceil(D/2)]
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)  # [L, D]
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)[:, : d_model // 2]
+    return table.to(torch.float32)
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Adds the fixed sinusoidal table to ``x`` (no parameters; the table is not saved).
+
+    Args:
+        d_model: D.
+        max_len: the longest sequence (including cached tokens).
+    """
+
+    table: Tensor
+
+    def __init__(self, d_model: int, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``. Returns ``[B, T, D]``.
+
+        Raises:
+            ValueError: positions beyond ``max_len``.
+        """
+        T = x.shape[1]
+        _check_span(offset, T, self.max_len, "sinusoidal positions")
+        return x + self.table[offset : offset + T].to(x.dtype)  # [B, T, D]
+
+
+# --- learned ------------------------------------------------------------------------------------
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """Adds a trained embedding per absolute position (BERT, GPT-2).
+
+    Args:
+        d_model: D.
+        max_len: number of positions.
+    """
+
+    def __init__(self, d_model: int, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.embedding = nn.Embedding(max_len, d_model)
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``. Returns ``[B, T, D]``.
+
+        Raises:
+            ValueError: positions beyond ``max_len``.
+        """
+        T = x.shape[1]
+        _check_span(offset, T, self.max_len, "learned positions")
+        return x + self.embedding.weight[offset : offset + T].to(x.dtype)  # [B, T, D]
+
+
+# --- rotary -------------------------------------------------------------------------------------
+
+
+def rotary_cos_sin(
+    positions: Tensor, head_dim: int, *, base: float = 10000.0
+) -> tuple[Tensor, Tensor]:
+    """Cosines and sines of the RoPE angles ``p · base^(-2i/Dh)`` for each position.
+
+    Args:
+        positions: integer ``[T]``.
+        head_dim: Dh, even.
+        base: the wavelength base.
+
+    Returns:
+        ``(cos, sin)``, each float32 ``[T, Dh]`` (the ``Dh/2`` frequencies repeated twice, the
+        "rotate half" layout of GPT-NeoX and Hugging Face LLaMA).
+
+    Raises:
+        ValueError: odd ``head_dim``.
+    """
+    if head_dim % 2 != 0:
+        raise ValueError(f"rotary embeddings need an even head width, got head_dim={head_dim}")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [Dh/2]
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, Dh]
+    return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x [..., Dh/2]
+    return torch.cat([-x2, x1], dim=-1)  # [..., Dh]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair ``(x[i], x[i + Dh/2])`` by its position's angle.
+
+    Args:
+        x: ``[B, H, T, Dh]`` queries or keys.
+        cos: ``[T, Dh]`` from :func:`rotary_cos_sin`.
+        sin: ``[T, Dh]``.
+
+    Returns:
+        ``[B, H, T, Dh]`` in ``x``'s dtype.
+    """
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin  # [B, H, T, Dh]
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the RoPE cos/sin tables up to ``max_len`` (not saved) and slices them by offset.
+
+    The model calls it once per forward and hands ``(cos, sin)`` to every attention layer, which
+    rotates its queries and (new) keys before caching them.
+
+    Args:
+        head_dim: Dh, even.
+        max_len: the longest sequence.
+        base: the wavelength base.
+
+    Raises:
+        ValueError: odd ``head_dim``.
+    """
+
+    cos: Tensor
+    sin: Tensor
+
+    def __init__(self, head_dim: int, max_len: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.head_dim = head_dim
+        cos, sin = rotary_cos_sin(torch.arange(max_len), head_dim, base=base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, T: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """Returns ``(cos, sin)``, each ``[T, Dh]``, for positions ``offset .. offset + T - 1``.
+
+        Raises:
+            ValueError: positions beyond ``max_len``.
+        """
+        _check_span(offset, T, self.max_len, "rotary positions")
+        return self.cos[offset : offset + T], self.sin[offset : offset + T]  # [T, Dh] each
+
+
+# --- ALiBi --------------------------------------------------------------------------------------
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The head-specific slopes of ALiBi: a geometric sequence starting at ``2^(-8/n)``.
+
+    For a power of two ``H = n`` the slopes are ``2^(-8/n), 2^(-16/n), ...``; otherwise those of
+    the next lower power of two followed by every other slope of twice that (the paper's rule).
+
+    Returns:
+        float32 ``[H]``.
+
+    Raises:
+        ValueError: ``num_heads < 1``.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(closest)
+    if closest != num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(
+    slopes: Tensor, T: int, S: int, *, causal: bool, device: torch.device | None = None
+) -> Tensor:
+    """ALiBi score bias ``-slope_h · |p_i - j|`` with query ``i`` at ``p_i = i + S - T``.
+
+    The alignment is bottom-right (the last query is the newest token), as in
+    :func:`qkv.attention`'s ``is_causal``, so it is right for cached decoding. With ``causal``
+    the future keys (which the causal mask blocks anyway) get bias 0 instead of a penalty.
+
+    Args:
+        slopes: ``[H]``.
+        T: query length.
+        S: key length, ``>= T``.
+        causal: the attention is causal.
+        device: device of the result.
+
+    Returns:
+        float32 ``[1, H, T, S]``.
+
+    Raises:
+        ValueError: ``S < T``.
+    """
+    if S < T:
+        raise ValueError(f"ALiBi expects key length S >= query length T, got T={T}, S={S}")
+    q_pos = torch.arange(T, device=device) + (S - T)  # [T]
+    k_pos = torch.arange(S, device=device)  # [S]
+    dist = (q_pos[:, None] - k_pos[None, :]).to(torch.float32)  # [T, S]
+    dist = dist.clamp(min=0) if causal else dist.abs()  # [T, S]
+    return -slopes.to(device)[None, :, None, None] * dist[None, None]  # [1, H, T, S]
+
+
+class ALiBi(nn.Module):
+    """Holds the ALiBi slopes (not saved) and builds the score bias for a ``[T, S]`` attention.
+
+    Args:
+        num_heads: H.
+    """
+
+    slopes: Tensor
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+
+    def forward(self, T: int, S: int, *, causal: bool) -> Tensor:
+        """Returns float32 ``[1, H, T, S]``; see :func:`alibi_bias`."""
+        return alibi_bias(self.slopes, T, S, causal=causal, device=self.slopes.device)
