@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from qkv.modules.multihead import MultiHeadAttention
+from qkv.modules.positional import sinusoidal_table
 
 __all__ = [
     "KINDS",
@@ -159,23 +160,6 @@ def plot_attention(
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
-
-
-def sinusoidal_table(length: int, d_model: int) -> Tensor:
-    """The sinusoidal encoding of "Attention Is All You Need", ``[length, d_model]``:
-    ``PE[p, 2i] = sin(p / 10000^(2i/D))``, ``PE[p, 2i+1] = cos(p / 10000^(2i/D))``.
-
-    Raises:
-        ValueError: non-positive sizes or an odd ``d_model``.
-    """
-    if length < 1 or d_model < 2 or d_model % 2:
-        raise ValueError(f"need length >= 1 and an even d_model >= 2, got {length}, {d_model}")
-    pos = torch.arange(length, dtype=torch.float64)[:, None]  # [L, 1]
-    inv = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # [D/2]
-    angles = pos * inv  # [L, D/2]
-    table = torch.empty(length, d_model, dtype=torch.float64)
-    table[:, 0::2], table[:, 1::2] = angles.sin(), angles.cos()
-    return table.float()  # [L, D]
 
 
 def plot_positional(table: Tensor, *, dpi: int = 100, title: str | None = None) -> Figure:

@@ -3,6 +3,7 @@ training on the same global batch."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -13,13 +14,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from qkv.train.config import TrainConfig
+from qkv.train.config import TrainConfig, build_task
 from qkv.train.loop import RunOptions, train
 
 WORKER = """
 import json, os, sys
 from safetensors.torch import save_file
-from qkv.train.config import TrainConfig
+from qkv.train.config import TrainConfig, build_task
 from qkv.train.loop import RunOptions, train
 
 cfg = TrainConfig(**json.loads(sys.argv[1]))
@@ -53,12 +54,28 @@ def test_two_processes_match_one(tmp_path: Path, tiny: Callable[..., TrainConfig
     for k in rank0:
         assert torch.equal(rank0[k], rank1[k]), f"replicas differ at {k}"
     logs = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in (0, 1)]
-    assert logs[0] == logs[1], "every rank logs the same global loss and held-out accuracy"
+    assert logs[0]["losses"] == logs[1]["losses"], "every rank logs the same global loss"
+    strip = [[{k: v for k, v in e.items() if k != "seconds"} for e in log["evals"]] for log in logs]
+    assert strip[0] == strip[1], "every rank reports the same held-out accuracy and loss"
 
     single = train(cfg, RunOptions(progress=False, log_evals=False))
-    # same global batch, same math; only the order of float additions differs (the all-reduce
-    # sums two half-batch gradients), so equality holds to float32 rounding
+    # Same global batch, same math; only the order of float additions differs (the all-reduce
+    # sums two half-batch gradients), so equality holds to float32 rounding. Exception: the key
+    # bias adds q.b_k to every score of a query, which softmax ignores, so its true gradient is
+    # exactly 0 and both runs move it only by rounding noise that Adam rescales (measured: up to
+    # ~1e-3 apart). For those, check instead that the difference changes no output.
+    shift_invariant = [k for k in rank0 if k.endswith("k_proj.bias")]
+    assert len(shift_invariant) == 3  # encoder self, decoder self, cross
     for k, v in single.model.state_dict().items():
-        torch.testing.assert_close(rank0[k], v, atol=1e-5, rtol=1.3e-6, msg=k)
+        if k not in shift_invariant:
+            torch.testing.assert_close(rank0[k], v, atol=1e-5, rtol=1.3e-6, msg=k)
     torch.testing.assert_close(logs[0]["losses"], single.losses, atol=1e-5, rtol=1.3e-6)
     assert [e["accuracy"] for e in logs[0]["evals"]] == [e["accuracy"] for e in single.evals]
+
+    replica = copy.deepcopy(single.model)
+    replica.load_state_dict(rank0)
+    batch = build_task(cfg).train_batch(seed=99, step=0, batch_size=8)
+    with torch.no_grad():
+        ours = replica.eval()(batch.src, batch.tgt_in)  # [B, T, V]
+        theirs = single.model.eval()(batch.src, batch.tgt_in)  # [B, T, V]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1.3e-6)
