@@ -18,8 +18,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/qkv demo
-	@echo; echo "== a short training run of the default task (reverse), under 2 minutes =="
-	$(BIN)/qkv train --task reverse --steps 600 --eval-every 200 --out runs/demo-reverse --overwrite
+	@echo; echo "== training the default task (reverse) briefly: about 80 s on one CPU thread =="
+	$(BIN)/qkv train --task reverse --out runs/demo-reverse --overwrite
 	@echo; echo "== decoding three inputs with the checkpoint (greedy, beam search) =="
 	$(BIN)/qkv generate runs/demo-reverse "abcdefg"
 	$(BIN)/qkv generate runs/demo-reverse "jihgfedcba" --beam 3

@@ -38,6 +38,11 @@ _HELP = {
     "grad_clip": "clip the gradient norm (0: off)",
 }
 
+# Measured on the 2-core machine shared with other jobs: the default reverse model trains 7-15x
+# faster on 1 thread than on 2 (tiny matmuls gain nothing from intra-op threads and lose to
+# their synchronisation). Scale out with torchrun processes instead.
+_THREADS_HELP = "torch CPU threads per process (default 1: fastest for these small models)"
+
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """One ``--flag`` per :class:`TrainConfig` field, plus the run options."""
@@ -75,7 +80,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="stop at the first evaluation reaching this held-out accuracy (0-1)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
+    p.add_argument("--threads", type=int, default=1, help=_THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -87,8 +92,7 @@ def run_train(args: argparse.Namespace) -> int:
     if values["text_path"] is not None:
         values["task"] = "text"
     cfg = TrainConfig(**values)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out is not None else Path("runs") / cfg.task
     opts = RunOptions(
         out=out,
@@ -103,9 +107,10 @@ def run_train(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    counted = "non-padding tokens" if cfg.task == "text" else "non-padding source + target"
     print(
         f"trained to step {result.step}/{cfg.steps} in {result.seconds:.1f} s on {world} "
-        f"process(es), {result.tokens_per_s:,.0f} tokens/s (non-padding source + target)"
+        f"process(es), {result.tokens_per_s:,.0f} tokens/s ({counted})"
     )
     if result.evals:
         last = result.evals[-1]
@@ -132,13 +137,17 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help=_THREADS_HELP)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """``qkv generate``: print the decoded output and tokens/s."""
+    """``qkv generate``: print the decoded output and tokens/s (timed after one untimed warm-up
+    decode, so the speed is the steady state rather than one-off first-call costs)."""
     from qkv.train.inference import generate_text, load_trained
 
+    torch.set_num_threads(args.threads)
     model, task, _ = load_trained(args.checkpoint)
+    generate_text(model, task, args.input, beam_size=args.beam, max_new_tokens=args.max_new_tokens)
     gen = generate_text(
         model,
         task,
@@ -154,7 +163,7 @@ def run_generate(args: argparse.Namespace) -> int:
     mode = f"beam {args.beam}" if args.beam > 1 else ("sampled" if args.sample else "greedy")
     print(
         f"{len(gen.ids)} tokens in {gen.seconds * 1e3:.1f} ms ({gen.tokens_per_s:,.0f} tokens/s,"
-        f" {mode}, KV cache)"
+        f" {mode}, KV cache, timed after a warm-up run)"
     )
     return 0
 
@@ -173,14 +182,22 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--positional", action="store_true", help="plot the sinusoidal positional encoding instead"
     )
+    p.add_argument(
+        "--length",
+        type=int,
+        default=None,
+        help="--positional: positions to draw (default: the model's max_len)",
+    )
+    p.add_argument("--threads", type=int, default=1, help=_THREADS_HELP)
 
 
 def run_plot(args: argparse.Namespace) -> int:
     """``qkv plot``: write the PNG and say where it is."""
     from qkv.train.plots import plot_checkpoint, plot_checkpoint_positional
 
+    torch.set_num_threads(args.threads)
     if args.positional:
-        path = plot_checkpoint_positional(args.checkpoint, args.output)
+        path = plot_checkpoint_positional(args.checkpoint, args.output, args.length)
         print(f"positional encoding written to {path}")
         return 0
     if args.input is None:

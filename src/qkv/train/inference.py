@@ -66,7 +66,8 @@ def generate_text(
         task: the checkpoint's task (its vocabulary encodes ``text``).
         text: the input (sequence tasks) or the prompt (text).
         beam_size: beam search width for sequence tasks (1: greedy).
-        max_new_tokens: default: the task's longest target + 1, or the text's block size.
+        max_new_tokens: default: the task's longest target + 1, or for text what fits in the
+            model's ``max_len`` after the prompt (at most the block size).
         temperature: sampling temperature (text, when not ``greedy``).
         top_k: sample among the k likeliest (text, when not ``greedy``).
         greedy: text models: argmax decoding instead of sampling.
@@ -89,7 +90,8 @@ def generate_text(
                     f"beam_size={beam_size}: beam search is for sequence tasks; "
                     "text models decode greedily or by sampling"
                 )
-            n = task.block_size if max_new_tokens is None else max_new_tokens
+            room = int(model.config.max_len) - len(ids)  # type: ignore[union-attr,arg-type]
+            n = max(1, min(task.block_size, room)) if max_new_tokens is None else max_new_tokens
             gen = torch.Generator().manual_seed(seed)
             out = model.generate(  # type: ignore[operator]
                 torch.tensor([ids]),

@@ -62,8 +62,15 @@ def plot_checkpoint(
     return save_figure(fig, out), output, (rows, cols)
 
 
-def plot_checkpoint_positional(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the sinusoidal positional-encoding table of the checkpoint's model size to ``out``.
+def plot_checkpoint_positional(
+    checkpoint: str | Path, out: str | Path, length: int | None = None
+) -> Path:
+    """Write the sinusoidal positional-encoding table of the checkpoint's width to ``out``.
+
+    Args:
+        checkpoint: the checkpoint directory.
+        out: the PNG path.
+        length: positions to draw (default: the model's ``max_len``).
 
     Raises:
         ValueError: the checkpoint's model does not use sinusoidal positions.
@@ -75,5 +82,5 @@ def plot_checkpoint_positional(checkpoint: str | Path, out: str | Path) -> Path:
             f"--positional plots the sinusoidal encoding; this model uses "
             f"positional={cfg.get('positional')!r}"
         )
-    table = sinusoidal_table(int(cfg["max_len"]), int(cfg["d_model"]))  # [L, D]
+    table = sinusoidal_table(length or int(cfg["max_len"]), int(cfg["d_model"]))  # [L, D]
     return save_figure(plot_positional(table), out)
