@@ -15,9 +15,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_shapes_model(args: argparse.Namespace) -> int:
+    from qkv.shapes import trace_model_shapes
+
+    rows = trace_model_shapes(args.B, args.S, args.T, args.H, args.Dh, num_layers=args.layers)
+    width = max(len(name) for name, _, _ in rows)
+    for name, inputs, out in rows:
+        ins = "  ".join(f"{k} {list(v)}" for k, v in inputs)
+        print(f"{name:<{width}}  {ins}  ->  {list(out)}")
+    return 0
+
+
 def _cmd_shapes(args: argparse.Namespace) -> int:
     from qkv.shapes import trace_attention_shapes
 
+    if args.model:
+        return _cmd_shapes_model(args)
     rows = trace_attention_shapes(args.B, args.H, args.T, args.S, args.Dh, args.Dv)
     width = max(len(name) for name, _ in rows)
     for name, shape in rows:
@@ -55,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     shapes = sub.add_parser("shapes", help="print the shape of every attention intermediate")
     for name, default in (("B", 2), ("H", 4), ("T", 3), ("S", 5), ("Dh", 8), ("Dv", 6)):
         shapes.add_argument(f"--{name}", type=int, default=default)
+    shapes.add_argument(
+        "--model", action="store_true", help="trace a small encoder-decoder Transformer instead"
+    )
+    shapes.add_argument("--layers", type=int, default=2, help="layers per stack with --model")
     shapes.set_defaults(func=_cmd_shapes)
 
     from qkv.train.command import add_generate_arguments, add_plot_arguments, add_train_arguments

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
 
 from qkv.masks import causal_mask, combine, padding_mask
 
-__all__ = ["trace_attention_shapes"]
+__all__ = ["trace_attention_shapes", "trace_model_shapes"]
 
 
 def trace_attention_shapes(
@@ -56,3 +58,101 @@ def trace_attention_shapes(
         ("weights", tuple(weights.shape)),
         ("output", tuple(out.shape)),
     ]
+
+
+def trace_model_shapes(
+    B: int = 2,
+    S: int = 5,
+    T: int = 3,
+    H: int = 4,
+    Dh: int = 8,
+    *,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> list[tuple[str, list[tuple[str, tuple[int, ...]]], tuple[int, ...]]]:
+    """Run one forward of a small :class:`qkv.Transformer` and record every layer's shapes.
+
+    Forward hooks on the embeddings, each encoder/decoder layer and its attention and
+    feed-forward blocks, the final norms and the head record the real tensors' shapes, including
+    the masks each attention receives. The last source token of sample 0 is padding, so the
+    padding mask shows up.
+
+    Args:
+        B: batch. S: source length. T: target length. H: heads. Dh: head width
+        (``d_model = H * Dh``).
+        num_layers: encoder and decoder layers.
+        seed: random seed.
+
+    Returns:
+        ``(module name, [(input name, shape), ...], output shape)`` in call order.
+
+    Raises:
+        ValueError: a non-positive size.
+    """
+    from torch import Tensor, nn
+
+    from qkv.models import Transformer, TransformerConfig
+    from qkv.modules.multihead import MultiHeadAttention
+
+    sizes = {"B": B, "S": S, "T": T, "H": H, "Dh": Dh, "num_layers": num_layers}
+    bad = {k: v for k, v in sizes.items() if v < 1}
+    if bad:
+        raise ValueError(f"sizes must be positive, got {bad}")
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        src_vocab_size=20,
+        tgt_vocab_size=20,
+        d_model=H * Dh,
+        num_heads=H,
+        num_encoder_layers=num_layers,
+        num_decoder_layers=num_layers,
+        dim_feedforward=4 * H * Dh,
+        dropout=0.0,
+        max_len=max(S, T),
+    )
+    model = Transformer(cfg).eval()
+    rows: list[tuple[str, list[tuple[str, tuple[int, ...]]], tuple[int, ...]]] = []
+
+    def hooks(name: str, module: nn.Module) -> tuple[Any, Any]:
+        sig = inspect.signature(module.forward)
+        slot: list[int] = []
+
+        def before(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            slot.append(len(rows))  # reserve the row so that outer modules come first
+            rows.append((name, [], ()))
+            bound = sig.bind(*args, **kwargs).arguments
+            inputs = [(k, tuple(v.shape)) for k, v in bound.items() if isinstance(v, Tensor)]
+            if bound.get("is_causal") and isinstance(module, MultiHeadAttention):
+                q, k = args[0], args[1] if len(args) > 1 else args[0]
+                inputs.append(("causal", (1, 1, q.shape[1], k.shape[1])))
+            rows[slot[-1]] = (name, inputs, ())
+
+        def after(_: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            result = out[0] if isinstance(out, tuple) else out
+            idx = slot.pop()
+            rows[idx] = (rows[idx][0], rows[idx][1], tuple(result.shape))
+
+        return before, after
+
+    watched = ("src_embed", "tgt_embed", "positional", "lm_head", "encoder.norm", "decoder.norm")
+    handles = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        is_layer = len(parts) == 3 and parts[1] == "layers"
+        is_block = len(parts) == 4 and parts[3] in ("self_attn", "cross_attn", "ffn")
+        if name in watched or is_layer or is_block:
+            before, after = hooks(name, module)
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(after))
+    src = torch.randint(3, 20, (B, S))
+    src[0, -1] = cfg.pad_id
+    tgt = torch.randint(3, 20, (B, T))
+    tgt[:, 0] = cfg.bos_id
+    with torch.no_grad():
+        logits = model(src, tgt)
+    for h in handles:
+        h.remove()
+    rows.insert(
+        0, ("ids", [("src", tuple(src.shape)), ("tgt", tuple(tgt.shape))], tuple(logits.shape))
+    )
+    return rows

@@ -1,5 +1,22 @@
 """State-dict conversion to and from other implementations (``torch.nn``, Hugging Face)."""
 
 from qkv.convert.torch_mha import from_torch_mha, to_torch_mha
+from qkv.convert.torch_transformer import (
+    from_torch_decoder_layer,
+    from_torch_encoder_layer,
+    from_torch_transformer,
+    to_torch_decoder_layer,
+    to_torch_encoder_layer,
+    to_torch_transformer,
+)
 
-__all__ = ["from_torch_mha", "to_torch_mha"]
+__all__ = [
+    "from_torch_decoder_layer",
+    "from_torch_encoder_layer",
+    "from_torch_mha",
+    "from_torch_transformer",
+    "to_torch_decoder_layer",
+    "to_torch_encoder_layer",
+    "to_torch_mha",
+    "to_torch_transformer",
+]
