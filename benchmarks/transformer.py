@@ -95,8 +95,8 @@ def training_ratio(repeats: int, B: int, L: int, V: int) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def decoding(n: int, B: int, S: int, V: int, marks: list[int]) -> dict[str, list[float]]:
-    """Per-step seconds of cached vs recomputed greedy decoding of ``n`` tokens."""
+def decoding(n: int, B: int, S: int, V: int, repeats: int) -> dict[str, list[float]]:
+    """Per-step seconds (median over repeats) of cached vs recomputed greedy decoding."""
     torch.manual_seed(0)
     cfg = qkv.TransformerConfig(
         src_vocab_size=V, tgt_vocab_size=V, d_model=256, num_heads=4, num_encoder_layers=3,
@@ -106,20 +106,25 @@ def decoding(n: int, B: int, S: int, V: int, marks: list[int]) -> dict[str, list
     src = torch.randint(3, V, (B, S))
     memory = model.encode(src)  # [B, S, D]
     no_pad = torch.zeros(B, S, dtype=torch.bool)
-    times: dict[str, list[float]] = {"cached": [], "recompute": []}
+    runs: dict[str, list[list[float]]] = {"cached": [], "recompute": []}
     tokens: dict[str, Tensor] = {}
-    for mode in ("cached", "recompute"):
-        cache = model.new_cache(n + 1) if mode == "cached" else None
-        out = torch.full((B, 1), cfg.bos_id)  # [B, 1]
-        for _ in range(n):
-            t0 = time.perf_counter()
-            step_in = out[:, -1:] if cache is not None else out
-            logits = model.decode(step_in, memory, no_pad, cache=cache)[:, -1]  # [B, V]
-            # keep special tokens out so both runs decode all n tokens
-            nxt = logits[:, 3:].argmax(-1) + 3  # [B]
-            out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]
-            times[mode].append(time.perf_counter() - t0)
-        tokens[mode] = out
+    for _ in range(repeats):  # alternate the modes so that machine load hits both alike
+        for mode in ("cached", "recompute"):
+            cache = model.new_cache(n + 1) if mode == "cached" else None
+            out = torch.full((B, 1), cfg.bos_id)  # [B, 1]
+            step_times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                step_in = out[:, -1:] if cache is not None else out
+                logits = model.decode(step_in, memory, no_pad, cache=cache)[:, -1]  # [B, V]
+                # keep special tokens out so both runs decode all n tokens
+                nxt = logits[:, 3:].argmax(-1) + 3  # [B]
+                out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]
+                step_times.append(time.perf_counter() - t0)
+            runs[mode].append(step_times)
+            tokens[mode] = out
+    # per step, the median over the repeats
+    times = {mode: [statistics.median(s) for s in zip(*r, strict=True)] for mode, r in runs.items()}
     assert torch.equal(tokens["cached"], tokens["recompute"]), "cached tokens differ"
     return times
 
@@ -128,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -144,9 +150,12 @@ def main() -> None:
         f"ratio qkv/torch = {q_ms / t_ms:.2f}"
     )
     marks = [m for m in (1, 16, 64, 128, 192, 256) if m <= n]
-    times = decoding(n, 4, 32, V, marks)
+    times = decoding(n, 4, 32, V, args.decode_repeats)
     c_total, r_total = sum(times["cached"]), sum(times["recompute"])
-    print(f"\n2. greedy decoding of {n} tokens, batch 4, source length 32 (encoder run once):")
+    print(
+        f"\n2. greedy decoding of {n} tokens, batch 4, source length 32 (encoder run once), "
+        f"per-step median of {args.decode_repeats} runs:"
+    )
     print(
         f"   with KV cache {c_total * 1e3:8.1f} ms   recomputing the prefix "
         f"{r_total * 1e3:8.1f} ms   ratio cached/recompute = {c_total / r_total:.3f}"

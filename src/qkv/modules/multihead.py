@@ -220,6 +220,10 @@ class MultiHeadAttention(nn.Module):
         k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
         if rope is not None:
             q = apply_rotary(q, *rope)  # [B, H, T, Dh]
+        if is_causal and T == 1:
+            # bottom-right alignment puts a lone query at the newest position: it may see every
+            # key, so the causal mask would block nothing (the common cached decoding step)
+            is_causal = False
         want_weights = need_weights or self.record_weights
         out, weights = attention(
             q,
