@@ -29,7 +29,7 @@ def _assert_bitwise_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
 
 
 def test_short_run_lowers_the_loss(tiny: Callable[..., TrainConfig]) -> None:
-    result = train(tiny(), QUIET)
+    result = train(tiny(lr=1e-2), QUIET)  # measured ratio last/first: 0.71
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
     assert len(result.losses) == 30 and result.step == 30
     assert last < 0.8 * first, (first, last)
@@ -43,7 +43,7 @@ def test_text_task_lowers_the_loss(tmp_path: Path, tiny: Callable[..., TrainConf
     cfg = tiny(task="text", text_path=str(corpus), block_size=16, lr=1e-2)
     result = train(cfg, QUIET)
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
-    assert last < 0.9 * first, (first, last)
+    assert last < 0.9 * first, (first, last)  # measured ratio: 0.85
     assert result.evals and 0.0 < result.evals[-1]["accuracy"] <= 1.0
 
 
