@@ -21,6 +21,14 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/qkv demo
+	@echo; echo "== training the default task (reverse): 75-110 s on one CPU thread, depending on load =="
+	$(BIN)/qkv train --task reverse --out runs/demo-reverse --overwrite
+	@echo; echo "== decoding three inputs with the checkpoint (greedy, beam search) =="
+	$(BIN)/qkv generate runs/demo-reverse "abcdefg"
+	$(BIN)/qkv generate runs/demo-reverse "jihgfedcba" --beam 3
+	$(BIN)/qkv generate runs/demo-reverse "badface"
+	@echo; echo "== attention of one example (encoder self, decoder self, cross) =="
+	$(BIN)/qkv plot runs/demo-reverse "abcdefgh" -o runs/demo-reverse/attention.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -50,6 +50,24 @@ def _cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from qkv.train.command import run_train
+
+    return run_train(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from qkv.train.command import run_generate
+
+    return run_generate(args)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from qkv.train.command import run_plot
+
+    return run_plot(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="qkv", description="Transformer attention you can trust")
@@ -73,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     emb.add_argument("--model", default=None, help="BERT checkpoint directory (default MiniLM)")
     emb.add_argument("--backend", default="auto", help="attention backend")
     emb.set_defaults(func=_cmd_embed)
+
+    from qkv.train.command import add_generate_arguments, add_plot_arguments, add_train_arguments
+
+    train = sub.add_parser("train", help="train a model on a built-in task (torchrun-ready)")
+    add_train_arguments(train)
+    train.set_defaults(func=_cmd_train)
+
+    generate = sub.add_parser("generate", help="decode an input with a checkpoint")
+    add_generate_arguments(generate)
+    generate.set_defaults(func=_cmd_generate)
+
+    plot = sub.add_parser("plot", help="attention heatmaps (or --positional) of a checkpoint")
+    add_plot_arguments(plot)
+    plot.set_defaults(func=_cmd_plot)
 
     return parser
 

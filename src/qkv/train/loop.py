@@ -1,0 +1,323 @@
+"""The training loop: AdamW, warmup + schedule, gradient clipping, label smoothing, periodic
+exact-match evaluation by decoding, a tqdm bar, checkpoints and exact resume, optionally on
+several processes (see :mod:`qkv.train.distributed`).
+
+Reproducibility: the weights come from ``torch.manual_seed(seed)``, every batch is a function of
+``(seed, step)``, and the torch RNG state (dropout) is saved with each checkpoint, so a run with
+the same config on the same machine is bit-for-bit the same, resumed or not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from qkv.train.checkpoint import (
+    CheckpointError,
+    check_weights_match,
+    load_checkpoint,
+    restore_optimizer,
+    save_checkpoint,
+)
+from qkv.train.config import (
+    TrainConfig,
+    build_model,
+    build_optimizer,
+    build_task,
+    lr_at,
+    model_type_of,
+)
+from qkv.train.distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    init_from_env,
+    shutdown,
+    wrap_model,
+)
+from qkv.train.tasks import PAD_ID, LMBatch, Seq2SeqBatch, Seq2SeqTask, TextTask
+
+__all__ = ["RunOptions", "TrainResult", "evaluate", "loss_sum", "train"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run (these do not change the resulting weights).
+
+    Attributes:
+        out: checkpoint directory (``None``: no checkpoints).
+        resume: continue from the checkpoint in ``out``.
+        overwrite: start afresh even if ``out`` holds a checkpoint.
+        save_every: also checkpoint every this many steps (0: only at the end).
+        stop_after: stop once this step is reached (saving first), although the schedule spans
+            ``TrainConfig.steps``; resume later with ``resume=True``.
+        target_accuracy: stop at the first evaluation reaching this held-out accuracy.
+        progress: show the tqdm bar (rank 0 only).
+        log_evals: print a line per evaluation (rank 0 only).
+    """
+
+    out: str | Path | None = None
+    resume: bool = False
+    overwrite: bool = False
+    save_every: int = 0
+    stop_after: int | None = None
+    target_accuracy: float | None = None
+    progress: bool = True
+    log_evals: bool = True
+
+
+@dataclass
+class TrainResult:
+    """What a run did.
+
+    Attributes:
+        model: the trained model (unwrapped from DDP).
+        step: steps taken in total (including those before a resume).
+        losses: the global mean training loss of each step of this invocation.
+        evals: ``{"step", "accuracy", "loss", "seconds"}`` per evaluation; ``seconds`` is wall
+            time since this invocation started.
+        tokens_per_s: training tokens (non-padding source + target) per second, all processes.
+        seconds: wall time of this invocation.
+        checkpoint: the manifest written last, or None.
+    """
+
+    model: nn.Module
+    step: int
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    checkpoint: Path | None = None
+
+
+def loss_sum(
+    model: nn.Module, batch: Seq2SeqBatch | LMBatch, label_smoothing: float = 0.0
+) -> tuple[Tensor, int]:
+    """Summed cross-entropy over the non-padding targets of ``batch`` and their count."""
+    if isinstance(batch, Seq2SeqBatch):
+        logits = model(
+            batch.src,
+            batch.tgt_in,
+            src_padding_mask=batch.src == PAD_ID,
+            tgt_padding_mask=batch.tgt_in == PAD_ID,
+        )  # [B, T, V]
+        targets = batch.tgt_out  # [B, T]
+    else:
+        logits = model(batch.inputs, padding_mask=batch.inputs == PAD_ID)  # [B, T, V]
+        targets = batch.targets  # [B, T]
+    V = logits.shape[-1]
+    total = F.cross_entropy(
+        logits.reshape(-1, V),  # [B * T, V]
+        targets.reshape(-1),  # [B * T]
+        ignore_index=PAD_ID,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+    return total, int((targets != PAD_ID).sum())
+
+
+@torch.no_grad()
+def _eval_seq2seq(model: nn.Module, task: Seq2SeqTask, sources: list[str]) -> tuple[int, int]:
+    correct = 0
+    for i in range(0, len(sources), 250):
+        chunk = sources[i : i + 250]
+        batch = task.collate(chunk)
+        out = model.generate(  # type: ignore[operator]
+            batch.src, task.max_tgt_len + 1, src_padding_mask=batch.src == PAD_ID
+        )  # [B, L], starts with <bos>
+        for row, src in zip(out.tolist(), chunk, strict=True):
+            correct += task.vocab.decode(row[1:]) == task.target(src)
+    return correct, len(sources)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    task: Seq2SeqTask | TextTask,
+    cfg: TrainConfig,
+    ctx: DistContext | None = None,
+) -> tuple[float, float]:
+    """Held-out ``(accuracy, loss)``, each process evaluating its share.
+
+    Sequence tasks: exact-sequence accuracy of greedy decoding (the output must equal the target
+    and end with ``<eos>``), and the teacher-forced loss. Text: next-character accuracy.
+    """
+    ctx = ctx or DistContext()
+    was_training = model.training
+    model.eval()
+    if isinstance(task, TextTask):
+        full = task.eval_batch(cfg.eval_size, cfg.seed)
+        rows = list(range(ctx.rank, full.inputs.shape[0], ctx.world_size))
+        part = LMBatch(full.inputs[rows], full.targets[rows])
+        total, n = loss_sum(model, part)
+        logits = model(part.inputs, padding_mask=part.inputs == PAD_ID)  # [B, T, V]
+        keep = part.targets != PAD_ID  # [B, T]
+        correct, count = int((logits.argmax(-1) == part.targets)[keep].sum()), n
+    else:
+        sources = task.eval_sources(cfg.eval_size, cfg.seed)[ctx.rank :: ctx.world_size]
+        correct, count, total, n = 0, 0, torch.zeros(()), 0
+        if sources:  # a process may get none when there are fewer examples than processes
+            correct, count = _eval_seq2seq(model, task, sources)
+            total, n = loss_sum(model, task.collate(sources))
+    stats = torch.tensor([correct, count, float(total), n], dtype=torch.float64)
+    stats = all_reduce_sum(stats, ctx)
+    model.train(was_training)
+    return float(stats[0] / stats[1]), float(stats[2] / stats[3])
+
+
+def _check_resumable(cfg: TrainConfig, stored: dict[str, Any] | None, where: Path) -> None:
+    if stored is None:
+        raise CheckpointError(f"{where} holds no training config; it cannot be resumed")
+    old = TrainConfig.from_dict(stored)
+    diff = [
+        f"{k}: checkpoint {v!r}, now {getattr(cfg, k)!r}"
+        for k, v in old.to_dict().items()
+        if getattr(cfg, k) != v
+    ]
+    if diff:
+        raise ValueError(
+            f"--resume needs the same training config as {where}; differs in " + "; ".join(diff)
+        )
+
+
+def train(cfg: TrainConfig, opts: RunOptions | None = None) -> TrainResult:
+    """Train ``cfg``'s task; under torchrun, on every process of the group.
+
+    Args:
+        cfg: the run's config.
+        opts: run options (checkpoint directory, resume, stopping, progress bar).
+
+    Returns:
+        The :class:`TrainResult` (on every process).
+
+    Raises:
+        ValueError: bad options, an existing checkpoint without ``resume``/``overwrite``, or a
+            ``resume`` whose config differs from the checkpoint's (the differing fields named).
+        CheckpointError: a checkpoint that cannot be trusted or does not fit.
+    """
+    opts = opts or RunOptions()
+    out = None if opts.out is None else Path(opts.out)
+    if opts.resume and out is None:
+        raise ValueError("resume needs a checkpoint directory (--out)")
+    ctx = init_from_env()
+    try:
+        return _train(cfg, opts, out, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContext) -> TrainResult:
+    if cfg.batch_size % ctx.world_size != 0:
+        raise ValueError(
+            f"batch_size={cfg.batch_size} must be divisible by the number of "
+            f"processes ({ctx.world_size})"
+        )
+    task = build_task(cfg)
+    torch.manual_seed(cfg.seed)
+    model, model_config = build_model(cfg, task)
+    optimizer = build_optimizer(model, cfg)
+    start = 0
+    has_ckpt = out is not None and (out / "config.json").exists()
+    if opts.resume:
+        assert out is not None
+        ckpt = load_checkpoint(out)
+        _check_resumable(cfg, ckpt.train_config, out)
+        check_weights_match(model, ckpt.weights, str(out))
+        model.load_state_dict(ckpt.weights)
+        restore_optimizer(optimizer, ckpt)
+        if ckpt.rng_state is not None:
+            torch.set_rng_state(ckpt.rng_state)
+        start = ckpt.step
+    elif has_ckpt and not opts.overwrite:
+        raise ValueError(
+            f"{out} already holds a checkpoint; pass --resume to continue it or "
+            f"--overwrite to start over"
+        )
+    net = wrap_model(model, ctx)
+    net.train()
+    end = cfg.steps if opts.stop_after is None else min(cfg.steps, opts.stop_after)
+    result = TrainResult(model=model, step=start)
+
+    def save() -> None:
+        if out is not None and ctx.is_main:
+            result.checkpoint = save_checkpoint(
+                out,
+                model=model,
+                model_type=model_type_of(task),
+                model_config=model_config,
+                task=task.spec(),
+                step=result.step,
+                train_config=cfg.to_dict(),
+                optimizer=optimizer,
+                rng_state=torch.get_rng_state(),
+            )
+        barrier(ctx)
+
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        disable=not (opts.progress and ctx.is_main),
+        desc=f"train {cfg.task}",
+        dynamic_ncols=True,
+    )
+    t0 = time.perf_counter()
+    train_time, tokens = 0.0, 0
+    for step in range(start, end):
+        ts = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        global_batch = task.train_batch(cfg.seed, step, cfg.batch_size)
+        local = global_batch.shard(ctx.rank, ctx.world_size)
+        n_global = int((_targets(global_batch) != PAD_ID).sum())
+        total, _ = loss_sum(net, local, cfg.label_smoothing)
+        loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        result.step = step + 1
+        mean_loss = float(all_reduce_sum(total.detach(), ctx)) / n_global
+        result.losses.append(mean_loss)
+        train_time += time.perf_counter() - ts
+        tokens += global_batch.num_tokens
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{mean_loss:.4f}", tok_s=f"{tokens / train_time:,.0f}", lr=f"{lr:.2e}"
+        )
+        if result.step % cfg.eval_every == 0 or result.step == cfg.steps:
+            acc, eval_loss = evaluate(model, task, cfg, ctx)
+            seconds = time.perf_counter() - t0
+            result.evals.append(
+                {"step": result.step, "accuracy": acc, "loss": eval_loss, "seconds": seconds}
+            )
+            if opts.log_evals and ctx.is_main:
+                bar.write(
+                    f"step {result.step}: held-out {_metric(task)} {acc:.2%}, "
+                    f"loss {eval_loss:.4f}, {seconds:.1f} s"
+                )
+            if opts.target_accuracy is not None and acc >= opts.target_accuracy:
+                break
+        if opts.save_every and result.step % opts.save_every == 0 and result.step != end:
+            save()
+    bar.close()
+    result.tokens_per_s = tokens / train_time if train_time > 0 else 0.0
+    result.seconds = time.perf_counter() - t0
+    save()
+    return result
+
+
+def _targets(batch: Seq2SeqBatch | LMBatch) -> Tensor:
+    return batch.tgt_out if isinstance(batch, Seq2SeqBatch) else batch.targets
+
+
+def _metric(task: Seq2SeqTask | TextTask) -> str:
+    return "next-char accuracy" if isinstance(task, TextTask) else "exact-match"
