@@ -141,14 +141,14 @@ def test_backends_agree(
 def test_backend_is_forwarded_to_every_layer() -> None:
     config = BertConfig(50, 16, 3, 4, 32)
     model = BertEncoder(config, backend="reference")
-    assert [layer.self_attn.backend for layer in model.layers] == ["reference"] * 3
+    assert [layer.self_attn.backend for layer in model.encoder.layers] == ["reference"] * 3
     with pytest.raises(ValueError, match="backend must be one of"):
         model.backend = "no-such-backend"
 
 
 def test_dropouts_follow_bert() -> None:
     config = BertConfig(50, 16, 1, 4, 32, hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.3)
-    layer = BertEncoder(config).layers[0]
+    layer = BertEncoder(config).encoder.layers[0]
     assert layer.self_attn.dropout == 0.3
     assert layer.dropout1.p == layer.dropout2.p == 0.2
     assert layer.ffn.dropout.p == 0.0  # BERT has no dropout on the GELU output

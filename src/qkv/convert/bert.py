@@ -47,22 +47,22 @@ KEY_MAP: dict[str, str] = {
     "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings.weight",
     "embeddings.LayerNorm.weight": "embeddings.norm.weight",
     "embeddings.LayerNorm.bias": "embeddings.norm.bias",
-    "encoder.layer.{}.attention.self.query.weight": "layers.{}.self_attn.q_proj.weight",
-    "encoder.layer.{}.attention.self.query.bias": "layers.{}.self_attn.q_proj.bias",
-    "encoder.layer.{}.attention.self.key.weight": "layers.{}.self_attn.k_proj.weight",
-    "encoder.layer.{}.attention.self.key.bias": "layers.{}.self_attn.k_proj.bias",
-    "encoder.layer.{}.attention.self.value.weight": "layers.{}.self_attn.v_proj.weight",
-    "encoder.layer.{}.attention.self.value.bias": "layers.{}.self_attn.v_proj.bias",
-    "encoder.layer.{}.attention.output.dense.weight": "layers.{}.self_attn.out_proj.weight",
-    "encoder.layer.{}.attention.output.dense.bias": "layers.{}.self_attn.out_proj.bias",
-    "encoder.layer.{}.attention.output.LayerNorm.weight": "layers.{}.norm1.weight",
-    "encoder.layer.{}.attention.output.LayerNorm.bias": "layers.{}.norm1.bias",
-    "encoder.layer.{}.intermediate.dense.weight": "layers.{}.ffn.fc1.weight",
-    "encoder.layer.{}.intermediate.dense.bias": "layers.{}.ffn.fc1.bias",
-    "encoder.layer.{}.output.dense.weight": "layers.{}.ffn.fc2.weight",
-    "encoder.layer.{}.output.dense.bias": "layers.{}.ffn.fc2.bias",
-    "encoder.layer.{}.output.LayerNorm.weight": "layers.{}.norm2.weight",
-    "encoder.layer.{}.output.LayerNorm.bias": "layers.{}.norm2.bias",
+    "encoder.layer.{}.attention.self.query.weight": "encoder.layers.{}.self_attn.q_proj.weight",
+    "encoder.layer.{}.attention.self.query.bias": "encoder.layers.{}.self_attn.q_proj.bias",
+    "encoder.layer.{}.attention.self.key.weight": "encoder.layers.{}.self_attn.k_proj.weight",
+    "encoder.layer.{}.attention.self.key.bias": "encoder.layers.{}.self_attn.k_proj.bias",
+    "encoder.layer.{}.attention.self.value.weight": "encoder.layers.{}.self_attn.v_proj.weight",
+    "encoder.layer.{}.attention.self.value.bias": "encoder.layers.{}.self_attn.v_proj.bias",
+    "encoder.layer.{}.attention.output.dense.weight": "encoder.layers.{}.self_attn.out_proj.weight",
+    "encoder.layer.{}.attention.output.dense.bias": "encoder.layers.{}.self_attn.out_proj.bias",
+    "encoder.layer.{}.attention.output.LayerNorm.weight": "encoder.layers.{}.norm1.weight",
+    "encoder.layer.{}.attention.output.LayerNorm.bias": "encoder.layers.{}.norm1.bias",
+    "encoder.layer.{}.intermediate.dense.weight": "encoder.layers.{}.ffn.fc1.weight",
+    "encoder.layer.{}.intermediate.dense.bias": "encoder.layers.{}.ffn.fc1.bias",
+    "encoder.layer.{}.output.dense.weight": "encoder.layers.{}.ffn.fc2.weight",
+    "encoder.layer.{}.output.dense.bias": "encoder.layers.{}.ffn.fc2.bias",
+    "encoder.layer.{}.output.LayerNorm.weight": "encoder.layers.{}.norm2.weight",
+    "encoder.layer.{}.output.LayerNorm.bias": "encoder.layers.{}.norm2.bias",
 }
 """Hugging Face key (``{}`` = layer index) -> :class:`BertEncoder` state-dict key."""
 
@@ -175,8 +175,8 @@ def _listing(keys: list[str]) -> str:
 
 def _hf_name(ours: str) -> str:
     """The checkpoint key that maps onto qkv key ``ours`` (for naming missing keys)."""
-    layer = re.match(r"^layers\.(\d+)\.(.*)$", ours)
-    template = f"layers.{{}}.{layer[2]}" if layer else ours
+    layer = re.match(r"^encoder\.layers\.(\d+)\.(.*)$", ours)
+    template = f"encoder.layers.{{}}.{layer[2]}" if layer else ours
     hf = next(h for h, o in KEY_MAP.items() if o == template)
     return hf.format(layer[1]) if layer else hf
 

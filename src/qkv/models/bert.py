@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from qkv.attention import BACKENDS, Backend
 from qkv.masks import from_hf
+from qkv.models.stacks import Encoder
 from qkv.modules.feed_forward import Activation
 from qkv.modules.layers import EncoderLayer
 
@@ -168,7 +169,8 @@ class BertEncoder(nn.Module):
 
     Attributes:
         embeddings: :class:`BertEmbeddings`.
-        layers: ``nn.ModuleList`` of post-norm :class:`EncoderLayer` (GELU, the config's eps).
+        encoder: :class:`~qkv.models.stacks.Encoder` of post-norm :class:`EncoderLayer`
+            (GELU, the config's eps), no final norm.
 
     Raises:
         ValueError: an unknown backend.
@@ -186,7 +188,7 @@ class BertEncoder(nn.Module):
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.config = config
         self.embeddings = BertEmbeddings(config, **factory)
-        self.layers = nn.ModuleList()
+        layers = []
         for _ in range(config.num_hidden_layers):
             layer = EncoderLayer(
                 config.hidden_size,
@@ -202,7 +204,8 @@ class BertEncoder(nn.Module):
             # attention weights, and none on the feed-forward activation.
             layer.self_attn.dropout = config.attention_probs_dropout_prob
             layer.ffn.dropout.p = 0.0
-            self.layers.append(layer)
+            layers.append(layer)
+        self.encoder = Encoder(layers, norm=None)  # post-norm: each layer already ends in one
         self.backend = backend
 
     @property
@@ -215,7 +218,7 @@ class BertEncoder(nn.Module):
         if value not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
         self._backend = value
-        for layer in self.layers:
+        for layer in self.encoder.layers:
             assert isinstance(layer, EncoderLayer)
             layer.self_attn.backend = cast(Backend, value)
 
@@ -265,6 +268,4 @@ class BertEncoder(nn.Module):
                 )
             mask = from_hf(attention_mask)  # [B, 1, 1, T], True = padding
         x = self.embeddings(input_ids, token_type_ids)  # [B, T, D]
-        for layer in self.layers:
-            x = layer(x, mask)  # [B, T, D]
-        return x
+        return self.encoder(x, mask)  # [B, T, D]
