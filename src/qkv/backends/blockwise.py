@@ -120,12 +120,12 @@ class _Ctx:
         s = torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1))  # [B, H, bq, bk]
         b = _bias_tile(bias, *t)
         if b is not None:
-            s = s + b  # [B, H, bq, bk]
+            s.add_(b)  # [B, H, bq, bk]
         tm: TileMask = FULL
         if self.mask is not None:
             tm = self.mask.tile(*self.shape, *t, qi.device)
         if isinstance(tm, Tensor):
-            s = s.masked_fill(tm, float("-inf"))  # [B, H, bq, bk]
+            s.masked_fill_(tm, float("-inf"))  # [B, H, bq, bk]
         return s
 
     def keep(self, t: tuple[int, int, int, int], shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -151,16 +151,16 @@ class _BlockwiseFunction(torch.autograd.Function):
             l_sum = torch.zeros(B, H, q1 - q0, dtype=q.dtype, device=q.device)  # [B, H, bq]
             acc = torch.zeros(B, H, q1 - q0, Dv, dtype=q.dtype, device=q.device)  # [B, H, bq, Dv]
             for t in row:
-                s = c.scores(qi, k, bias, t)  # [B, H, bq, bk]
+                s = c.scores(qi, k, bias, t)  # [B, H, bq, bk], a fresh tensor: updated in place
                 m_new = torch.maximum(m, s.amax(dim=-1))  # [B, H, bq]
                 # Rows with every key so far blocked keep m = -inf; shift them by 0 instead.
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # [B, H, bq]
-                p = torch.exp(s - m_safe[..., None])  # [B, H, bq, bk]
-                alpha = torch.exp(m - m_safe)  # [B, H, bq]
-                l_sum = l_sum * alpha + p.sum(dim=-1)  # [B, H, bq]
+                p = s.sub_(m_safe[..., None]).exp_()  # [B, H, bq, bk]
+                alpha = (m - m_safe).exp_()  # [B, H, bq]
+                l_sum.mul_(alpha).add_(p.sum(dim=-1))  # [B, H, bq]
                 if drop:
-                    p = p * c.keep(t, tuple(p.shape), p) / (1.0 - c.dropout_p)  # [B, H, bq, bk]
-                acc = acc * alpha[..., None] + torch.matmul(p, v[:, :, t[2] : t[3]])
+                    p = p.mul_(c.keep(t, tuple(p.shape), p)).div_(1.0 - c.dropout_p)
+                acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[:, :, t[2] : t[3]]))
                 m = m_new
             dead = l_sum == 0  # [B, H, bq]: every key blocked
             l_safe = l_sum.masked_fill(dead, 1.0)  # [B, H, bq]
