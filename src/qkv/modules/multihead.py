@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import attention
+from qkv.attention import Backend, attention
 from qkv.masks import combine, from_additive, from_mha_attn_mask, padding_mask
 
 __all__ = ["MultiHeadAttention"]
@@ -49,6 +49,7 @@ class MultiHeadAttention(nn.Module):
         batch_first: inputs are ``[B, T, D]`` (True) or ``[T, B, D]`` (False).
         device: parameter device.
         dtype: parameter dtype.
+        backend: attention backend passed to :func:`qkv.attention` (see ``qkv.explain_backend``).
 
     Attributes:
         record_weights: when True, every forward keeps its per-head weights ``[B, H, T, S]``
@@ -71,6 +72,7 @@ class MultiHeadAttention(nn.Module):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -107,6 +109,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.record_weights = False
+        self.backend: Backend = backend
         self.last_weights: Tensor | None = None
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
@@ -187,6 +190,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=want_weights,
             dropout_p=self.dropout,
             training=self.training,
+            backend=self.backend,
         )  # [B, H, T, Dh], [B, H, T, S] or None
         if self.record_weights and weights is not None:
             self.last_weights = weights.detach()
