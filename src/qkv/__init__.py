@@ -19,6 +19,7 @@ from qkv.attention import (
     explain_backend,
     scaled_dot_product_attention,
 )
+from qkv.modules.multihead import MultiHeadAttention
 from qkv.structured_masks import (
     Causal,
     Documents,
@@ -27,7 +28,6 @@ from qkv.structured_masks import (
     SlidingWindow,
     StructuredMask,
 )
-from qkv.modules.multihead import MultiHeadAttention
 
 __version__ = "0.1.0"
 
