@@ -114,10 +114,11 @@ class _Ctx:
         self.blocks = blocks  # (block_q, block_k)
 
     def scores(
-        self, qi: Tensor, k: Tensor, bias: Tensor | None, t: tuple[int, int, int, int]
+        self, qi: Tensor, k: Tensor, bias: Tensor | None, t: tuple[int, int, int, int], buf: Tensor
     ) -> Tensor:
-        """Masked scores of one tile; ``qi`` is already scaled."""
-        s = torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1))  # [B, H, bq, bk]
+        """Masked scores of one tile, written into ``buf``; ``qi`` is already scaled."""
+        s = _view(buf, (qi.shape[0], qi.shape[1], t[1] - t[0], t[3] - t[2]))  # [B, H, bq, bk]
+        torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1), out=s)  # [B, H, bq, bk]
         b = _bias_tile(bias, *t)
         if b is not None:
             s.add_(b)  # [B, H, bq, bk]
@@ -134,6 +135,21 @@ class _Ctx:
         return _dropout_keep(self.seed, index, shape, self.dropout_p, like)
 
 
+def _view(buf: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A contiguous tensor of ``shape`` over the front of the flat workspace ``buf``."""
+    return buf[: math.prod(shape)].view(shape)
+
+
+def _workspace(q: Tensor, c: _Ctx) -> Tensor:
+    """One tile's worth of memory, reused by every tile.
+
+    Reusing it is not only tidy: a fresh multi-megabyte tensor per tile costs page faults that
+    take longer than the tile's arithmetic on CPU.
+    """
+    B, H = c.shape[0], c.shape[1]
+    return torch.empty(B * H * c.blocks[0] * c.blocks[1], dtype=q.dtype, device=q.device)
+
+
 class _BlockwiseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, c: _Ctx) -> Tensor:
@@ -142,6 +158,7 @@ class _BlockwiseFunction(torch.autograd.Function):
         out = torch.zeros(B, H, T, Dv, dtype=q.dtype, device=q.device)  # [B, H, T, Dv]
         lse = torch.zeros(B, H, T, dtype=q.dtype, device=q.device)  # [B, H, T]
         drop = c.dropout_p > 0.0
+        buf = _workspace(q, c)
         for row in c.plan.tiles:
             if not row:
                 continue
@@ -151,7 +168,7 @@ class _BlockwiseFunction(torch.autograd.Function):
             l_sum = torch.zeros(B, H, q1 - q0, dtype=q.dtype, device=q.device)  # [B, H, bq]
             acc = torch.zeros(B, H, q1 - q0, Dv, dtype=q.dtype, device=q.device)  # [B, H, bq, Dv]
             for t in row:
-                s = c.scores(qi, k, bias, t)  # [B, H, bq, bk], a fresh tensor: updated in place
+                s = c.scores(qi, k, bias, t, buf)  # [B, H, bq, bk], updated in place
                 m_new = torch.maximum(m, s.amax(dim=-1))  # [B, H, bq]
                 # Rows with every key so far blocked keep m = -inf; shift them by 0 instead.
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # [B, H, bq]
@@ -184,6 +201,7 @@ class _BlockwiseFunction(torch.autograd.Function):
         dbias = torch.zeros_like(bias) if want_bias else None
         drop = c.dropout_p > 0.0
         inv_keep = 1.0 / (1.0 - c.dropout_p) if drop else 1.0
+        buf_s, buf_dp = _workspace(q, c), _workspace(q, c)
         for row in c.plan.tiles:
             if not row:
                 continue
@@ -195,17 +213,18 @@ class _BlockwiseFunction(torch.autograd.Function):
             dq_i = torch.zeros_like(qi)  # [B, H, bq, Dh]
             for t in row:
                 k0, k1 = t[2], t[3]
-                p = torch.exp(c.scores(qi, k, bias, t) - lse_i)  # [B, H, bq, bk]
+                p = c.scores(qi, k, bias, t, buf_s).sub_(lse_i).exp_()  # [B, H, bq, bk]
                 vj = v[:, :, k0:k1]  # [B, H, bk, Dv]
-                dp = torch.matmul(do_i, vj.transpose(-2, -1))  # [B, H, bq, bk]
+                dp = _view(buf_dp, tuple(p.shape))  # [B, H, bq, bk]
+                torch.matmul(do_i, vj.transpose(-2, -1), out=dp)  # [B, H, bq, bk]
                 if drop:
                     keep = c.keep(t, tuple(p.shape), p)
                     p_used = p * keep * inv_keep  # [B, H, bq, bk]
-                    dp = dp * keep * inv_keep  # [B, H, bq, bk]
+                    dp.mul_(keep).mul_(inv_keep)  # [B, H, bq, bk]
                 else:
                     p_used = p
                 dv[:, :, k0:k1] += torch.matmul(p_used.transpose(-2, -1), do_i)  # [B, H, bk, Dv]
-                ds = p * (dp - delta_i)  # [B, H, bq, bk]
+                ds = dp.sub_(delta_i).mul_(p)  # [B, H, bq, bk]
                 dq_i += torch.matmul(ds, k[:, :, k0:k1])  # [B, H, bq, Dh]
                 dk[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), qi)  # [B, H, bk, Dh]
                 if dbias is not None:
