@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from qkv.backends.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
+from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
 from qkv.backends.fused import fused_attention
 from qkv.backends.reference import reference_attention
@@ -255,8 +255,8 @@ def attention(
     dropout_p: float = 0.0,
     training: bool = False,
     backend: Backend = "auto",
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention with keyword options: the entry point the modules use.
 
@@ -285,8 +285,9 @@ def attention(
         backend: ``"auto"`` (see :mod:`qkv.backends.dispatch`), ``"reference"`` (explicit,
             returns weights), ``"fused"`` (PyTorch SDPA) or ``"blockwise"`` (online softmax,
             skips fully masked tiles).
-        block_q: blockwise tile height (query rows); need not divide T.
-        block_k: blockwise tile width (keys); need not divide S.
+        block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
+            sliding window's width (see :func:`qkv.backends.blockwise.default_blocks`).
+        block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.
 
     Returns:
         ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.

@@ -25,6 +25,12 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from qkv.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="qkv", description="Transformer attention you can trust")
@@ -38,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in (("B", 2), ("H", 4), ("T", 3), ("S", 5), ("Dh", 8), ("Dv", 6)):
         shapes.add_argument(f"--{name}", type=int, default=default)
     shapes.set_defaults(func=_cmd_shapes)
+
+    bench = sub.add_parser("bench", help="time qkv's attention backends against torch SDPA")
+    from qkv.bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
 
     return parser
 

@@ -22,12 +22,36 @@ import torch
 from torch import Tensor
 
 from qkv.backends.reference import compute_dtype, expand_kv_heads
-from qkv.structured_masks import EMPTY, FULL, StructuredMask, TileMask
+from qkv.structured_masks import EMPTY, FULL, SlidingWindow, StructuredMask, TileMask
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 512
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "TilePlan", "blockwise_attention", "plan_tiles"]
+__all__ = [
+    "DEFAULT_BLOCK_K",
+    "DEFAULT_BLOCK_Q",
+    "TilePlan",
+    "blockwise_attention",
+    "default_blocks",
+    "plan_tiles",
+]
+
+
+def default_blocks(mask: StructuredMask | None) -> tuple[int, int]:
+    """``(block_q, block_k)`` for a mask: 256 x 512, narrowed to a sliding window's width.
+
+    A tile much wider than the window computes mostly masked pairs; a window-wide tile keeps
+    the computed band within about twice the window.
+    """
+    windows = [
+        p.window
+        for p in getattr(mask, "parts", (mask,))
+        if isinstance(p, SlidingWindow) and p.window is not None
+    ]
+    if not windows:
+        return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
+    w = min(windows)
+    return min(max(w, 64), DEFAULT_BLOCK_Q), min(max(w, 64), DEFAULT_BLOCK_K)
 
 
 @dataclass(frozen=True)
@@ -247,8 +271,8 @@ def blockwise_attention(
     dropout_p: float,
     training: bool,
     *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     dropout_seed: int | None = None,
 ) -> Tensor:
     """Blockwise attention; see :func:`qkv.attention` for the contract.
@@ -263,8 +287,9 @@ def blockwise_attention(
         scale: multiplies the scores.
         dropout_p: dropout on the weights (only when ``training``).
         training: apply dropout.
-        block_q: query rows per tile (any positive int; need not divide T).
-        block_k: keys per tile (any positive int; need not divide S).
+        block_q: query rows per tile (any positive int; need not divide T); default from
+            :func:`default_blocks`.
+        block_k: keys per tile (any positive int; need not divide S); default likewise.
         dropout_seed: seed of the per-tile dropout masks; default drawn from torch's RNG.
 
     Returns:
@@ -273,6 +298,9 @@ def blockwise_attention(
     Raises:
         ValueError: non-positive block sizes.
     """
+    auto_q, auto_k = default_blocks(mask)
+    block_q = auto_q if block_q is None else block_q
+    block_k = auto_k if block_k is None else block_k
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.backends.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, plan_tiles
+from qkv.backends.blockwise import default_blocks, plan_tiles
 from qkv.backends.fused import uses_sdpa_is_causal
 from qkv.structured_masks import (
     Causal,
@@ -165,7 +165,7 @@ def choose_backend(
             f"{sm!r} has a mask_mod or tensor part, assumed sparse (classifying it would cost a "
             "pass over the grid); blockwise evaluates it one tile at a time",
         )
-    plan = plan_tiles(sm, B, H, T, S, DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K, query.device)
+    plan = plan_tiles(sm, B, H, T, S, *default_blocks(sm), query.device)
     skipped = 1.0 - plan.computed / plan.total
     tiles = f"{plan.total - plan.computed} of {plan.total} tiles ({skipped:.0%}) fully masked"
     if skipped >= BLOCKWISE_MIN_SKIP:
