@@ -1,4 +1,4 @@
-"""The benchmark table runs end to end (tiny sizes; speed itself is measured only in benchmarks/)."""
+"""The benchmark table runs end to end (tiny sizes; speed is measured only in benchmarks/)."""
 
 from qkv.bench import format_table, run_benchmarks
 from qkv.cli import build_parser
