@@ -26,6 +26,8 @@ from qkv.structured_masks import EMPTY, FULL, SlidingWindow, StructuredMask, Til
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 512
+MASK_CACHE_BYTES = 32 * 2**20
+"""At most this many bytes of partial tile masks are kept between planning, forward, backward."""
 
 __all__ = [
     "DEFAULT_BLOCK_K",
@@ -83,18 +85,34 @@ def plan_tiles(
     block_q: int,
     block_k: int,
     device: torch.device,
+    keep_masks: dict[tuple[int, int, int, int], TileMask] | None = None,
 ) -> TilePlan:
-    """Classify every tile of the ``T x S`` grid; keep those that are not fully masked."""
+    """Classify every tile of the ``T x S`` grid; keep those that are not fully masked.
+
+    Args:
+        keep_masks: if given, receives each computed tile's mask (FULL or a partial tile
+            tensor) while the partial tiles stored total at most :data:`MASK_CACHE_BYTES`, so
+            forward and backward need not evaluate the rule again. Bounded, so a dense
+            ``mask_mod`` can never make it O(T · S).
+    """
     rows = []
     pairs = 0
+    stored = 0
     for q0 in range(0, T, block_q):
         q1 = min(q0 + block_q, T)
         row = []
         for k0 in range(0, S, block_k):
             k1 = min(k0 + block_k, S)
-            if mask is not None and mask.tile(B, H, T, S, q0, q1, k0, k1, device) is EMPTY:
+            t = (q0, q1, k0, k1)
+            tm: TileMask = FULL if mask is None else mask.tile(B, H, T, S, *t, device)
+            if tm is EMPTY:
                 continue
-            row.append((q0, q1, k0, k1))
+            if keep_masks is not None:
+                size = tm.numel() if isinstance(tm, Tensor) else 0
+                if stored + size <= MASK_CACHE_BYTES:
+                    keep_masks[t] = tm
+                    stored += size
+            row.append(t)
             pairs += (q1 - q0) * (k1 - k0)
         rows.append(tuple(row))
     total = math.ceil(T / block_q) * math.ceil(S / block_k)
@@ -128,7 +146,9 @@ class _Ctx:
         seed: int,
         plan: TilePlan,
         blocks: tuple[int, int],
+        masks: dict[tuple[int, int, int, int], TileMask],
     ) -> None:
+        self.masks = masks  # tile -> its mask, for the tiles planning kept
         self.mask = mask
         self.shape = shape  # (B, H, T, S)
         self.scale = scale
@@ -146,9 +166,9 @@ class _Ctx:
         b = _bias_tile(bias, *t)
         if b is not None:
             s.add_(b)  # [B, H, bq, bk]
-        tm: TileMask = FULL
-        if self.mask is not None:
-            tm = self.mask.tile(*self.shape, *t, qi.device)
+        tm = self.masks.get(t)
+        if tm is None:
+            tm = FULL if self.mask is None else self.mask.tile(*self.shape, *t, qi.device)
         if isinstance(tm, Tensor):
             s.masked_fill_(tm, float("-inf"))  # [B, H, bq, bk]
         return s
@@ -313,8 +333,9 @@ def blockwise_attention(
         return torch.zeros(B, H, T, value.shape[3], dtype=out_dtype, device=query.device)
     if p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
-    plan = plan_tiles(mask, B, H, T, S, block_q, block_k, query.device)
-    c = _Ctx(mask, (B, H, T, S), scale, p, dropout_seed or 0, plan, (block_q, block_k))
+    masks: dict[tuple[int, int, int, int], TileMask] = {}
+    plan = plan_tiles(mask, B, H, T, S, block_q, block_k, query.device, masks)
+    c = _Ctx(mask, (B, H, T, S), scale, p, dropout_seed or 0, plan, (block_q, block_k), masks)
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = query.to(work)  # [B, H, T, Dh]
         k = expand_kv_heads(key.to(work), H)  # [B, H, S, Dh]
