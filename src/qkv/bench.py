@@ -1,7 +1,9 @@
 """Attention benchmarks: qkv's backends against PyTorch SDPA, measured side by side in one run.
 
-Every time is the median of ``repeats`` runs after one warm-up, float32, B=1, H=8, Dh=64. Masked
-cases give torch SDPA the same mask as an explicit bool tensor. GFLOP/s count the model FLOPs of
+Every time is the median of ``repeats`` runs after one warm-up, float32, B=1, H=8, Dh=64; the
+contestants of a row run round-robin and each ratio is the median of back-to-back ratios, so a
+shared machine's load drift hits both sides alike. Masked cases give torch SDPA the same mask as
+an explicit bool tensor. GFLOP/s count the model FLOPs of
 the query-key pairs a backend computes (all of them for SDPA, fused and reference; the tiles not
 skipped for blockwise): ``4 · B · H · pairs · Dh`` forward, three times that forward+backward.
 The matmul line is a float32 ``bmm`` ``[B·H, 1024, Dh] @ [B·H, Dh, 1024]`` into a preallocated
@@ -99,6 +101,23 @@ def _case_mask(case: str, L: int, device: torch.device) -> StructuredMask | None
     raise ValueError(f"unknown case {case!r}")
 
 
+def _interleaved(
+    fns: Sequence[Callable[[], object]], repeats: int, device: torch.device
+) -> list[list[float]]:
+    """Times of each function, run round-robin so that all of them see the same machine load."""
+    for fn in fns:
+        fn()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
 def _bench_case(
     case: str,
     L: int,
@@ -109,34 +128,39 @@ def _bench_case(
 ) -> list[Row]:
     sm = _case_mask(case, L, device)
     q, k, v = (torch.randn(1, H, L, DH, device=device, requires_grad=True) for _ in range(3))
-    dense = None if sm is None else sm.materialize(1, H, L, L, device)  # [1|1, 1, L, L]
+    dense = None if sm is None else sm.materialize(1, H, L, L, device)  # [1, 1, L, L]
     allowed = None if dense is None else to_sdpa_bool(dense)
     plan = plan_tiles(sm, 1, H, L, L, *default_blocks(sm), device)
     rows = []
     for backward, mode in ((False, "fwd"), (True, "fwd+bwd")):
         flop_mult = 3 if backward else 1
-        t_sdpa = _median_time(
+        fns = [
             _step(
                 lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
                 (q, k, v),
                 backward,
-            ),
-            repeats,
-            device,
-        )
+            )
+        ]
+        for backend in backends:
+            fns.append(
+                _step(
+                    lambda backend=backend: attention(q, k, v, mask=sm, backend=backend)[0],  # type: ignore[misc]
+                    (q, k, v),
+                    backward,
+                )
+            )
+        times = _interleaved(fns, repeats, device)
+        t_sdpa = statistics.median(times[0])
         dense_gflops = flop_mult * 4 * H * L * L * DH / t_sdpa / 1e9
         rows.append(Row(case, L, mode, "torch SDPA", t_sdpa, None, dense_gflops, ""))
-        for backend in backends:
-            fn = _step(
-                lambda backend=backend: attention(q, k, v, mask=sm, backend=backend)[0],  # type: ignore[misc]
-                (q, k, v),
-                backward,
-            )
-            t = _median_time(fn, repeats, device)
+        for backend, ts in zip(backends, times[1:], strict=True):
+            t = statistics.median(ts)
+            # The ratio is the median of ratios of runs made back to back: robust to load drift.
+            ratio = statistics.median(a / b for a, b in zip(ts, times[0], strict=True))
             pairs = plan.computed_pairs if backend == "blockwise" else L * L
             gflops = flop_mult * 4 * H * pairs * DH / t / 1e9
             goal = goals.get(f"{backend} {mode}", goals.get(backend, ""))
-            rows.append(Row(case, L, mode, f"qkv {backend}", t, t / t_sdpa, gflops, goal))
+            rows.append(Row(case, L, mode, f"qkv {backend}", t, ratio, gflops, goal))
     return rows
 
 
@@ -182,7 +206,7 @@ def run_benchmarks(
         quick: lengths divided by 8 (seconds instead of minutes), a smoke run; goals, which are
             stated for the full sizes, are not judged.
         shrink: divide every length by this instead (tests use it).
-        repeats: timed runs per entry (median); default 3 (quick: 2).
+        repeats: timed runs per entry (median); default 5 (quick: 2).
         device: ``"cpu"`` or ``"cuda"``.
         threads: ``torch.set_num_threads`` for the run (CPU), default unchanged.
 
@@ -197,7 +221,7 @@ def run_benchmarks(
         raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
     if threads is not None:
         torch.set_num_threads(threads)
-    n = repeats if repeats is not None else (2 if quick else 3)
+    n = repeats if repeats is not None else (2 if quick else 5)
     scale = shrink if shrink is not None else (8 if quick else 1)
     judge = scale == 1
     torch.manual_seed(0)
