@@ -19,13 +19,25 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from qkv.backends.blockwise import blockwise_attention
+from qkv.backends.dispatch import BackendChoice, choose_backend
+from qkv.backends.fused import fused_attention
 from qkv.backends.reference import reference_attention
 from qkv.masks import causal_mask, combine
+from qkv.structured_masks import Causal, Dense, StructuredMask
 
-Backend = Literal["auto", "reference"]
-BACKENDS: tuple[str, ...] = ("auto", "reference")
+Backend = Literal["auto", "reference", "fused", "blockwise"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise")
 
-__all__ = ["attention", "scaled_dot_product_attention", "validate_mask", "validate_qkv"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "attention",
+    "explain_backend",
+    "scaled_dot_product_attention",
+    "validate_mask",
+    "validate_qkv",
+]
 
 
 def _shape(x: Tensor) -> tuple[int, ...]:
@@ -194,52 +206,26 @@ def scaled_dot_product_attention(
     )
 
 
-def attention(
+def _check_call(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    need_weights: bool = False,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    backend: Backend = "auto",
-) -> tuple[Tensor, Tensor | None]:
-    """Attention with keyword options: the entry point the modules use.
-
-    Args:
-        query: ``[B, H, T, Dh]``.
-        key: ``[B, Hkv, S, Dh]``; ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
-        value: ``[B, Hkv, S, Dv]``.
-        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked (see :mod:`qkv.masks`).
-        bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
-        is_causal: also block future keys, **bottom-right aligned**: query ``i`` sits at absolute
-            position ``i + S - T``, which is what a KV cache needs and equals PyTorch's
-            top-left ``is_causal`` when ``T == S``. For top-left with ``T != S`` pass
-            ``mask=qkv.masks.causal_mask(T, S)``.
-        scale: score multiplier; default ``1 / sqrt(Dh)``.
-        need_weights: also return the ``[B, H, T, S]`` weights (reference backend).
-        dropout_p: dropout on the weights, used only when ``training``.
-        training: apply dropout.
-        backend: ``"auto"`` or ``"reference"``.
-
-    Returns:
-        ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
-
-    Raises:
-        TypeError / ValueError: as :func:`scaled_dot_product_attention`, plus a bias that does
-            not broadcast, an unknown backend, a non-positive scale.
-    """
+    mask: Tensor | StructuredMask | None,
+    bias: Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    backend: str,
+) -> tuple[float, float]:
+    """Validate an :func:`attention` call; return ``(scale, dropout_p)``."""
     validate_qkv(query, key, value, allow_gqa=True)
     p = _check_dropout(dropout_p)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     B, H, T, Dh = query.shape
     S = key.shape[2]
-    if mask is not None:
+    if isinstance(mask, StructuredMask):
+        mask.validate(B, H, T, S, query.device)
+    elif mask is not None:
         validate_mask(mask, B, H, T, S, query.device)
     if bias is not None:
         if not isinstance(bias, Tensor) or not bias.is_floating_point():
@@ -254,7 +240,138 @@ def attention(
         scale = 1.0 / math.sqrt(Dh)
     elif not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
+    return scale, p
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | StructuredMask | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    backend: Backend = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention with keyword options: the entry point the modules use.
+
+    Every backend computes the same thing (fully masked rows give 0 with finite gradients,
+    float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right ``is_causal``, dropout,
+    ``bias``); they differ in speed, memory and whether they return weights.
+    :func:`explain_backend` says which one a call gets and why.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, Hkv, S, Dh]``; ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
+        value: ``[B, Hkv, S, Dv]``.
+        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked (see :mod:`qkv.masks`), or a
+            structured mask from :mod:`qkv.structured_masks` (``Causal``, ``SlidingWindow``,
+            ``Padding``, ``Documents``, ``MaskMod`` and their ``|``), which the blockwise backend
+            uses without materializing it.
+        bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
+        is_causal: also block future keys, **bottom-right aligned**: query ``i`` sits at absolute
+            position ``i + S - T``, which is what a KV cache needs and equals PyTorch's
+            top-left ``is_causal`` when ``T == S``. For top-left with ``T != S`` pass
+            ``mask=qkv.masks.causal_mask(T, S)`` or ``Causal(align="top_left")``.
+        scale: score multiplier; default ``1 / sqrt(Dh)``.
+        need_weights: also return the ``[B, H, T, S]`` weights (reference backend).
+        dropout_p: dropout on the weights, used only when ``training``.
+        training: apply dropout.
+        backend: ``"auto"`` (see :mod:`qkv.backends.dispatch`), ``"reference"`` (explicit,
+            returns weights), ``"fused"`` (PyTorch SDPA) or ``"blockwise"`` (online softmax,
+            skips fully masked tiles).
+        block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
+            sliding window's width (see :func:`qkv.backends.blockwise.default_blocks`).
+        block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.
+
+    Returns:
+        ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`scaled_dot_product_attention`, plus a bias that does
+            not broadcast, an unknown backend, a non-positive scale, a structured mask that does
+            not fit, ``need_weights`` with the fused or blockwise backend.
+    """
+    scale, p = _check_call(query, key, value, mask, bias, scale, dropout_p, backend)
+    choice = choose_backend(
+        backend, query, key, mask=mask, bias=bias, is_causal=is_causal, need_weights=need_weights
+    )
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    if choice.backend == "blockwise":
+        structured: StructuredMask | None
+        if isinstance(mask, Tensor):
+            structured = Dense(mask.reshape((1,) * (4 - mask.dim()) + _shape(mask)))
+        else:
+            structured = mask
+        if is_causal:
+            structured = Causal() if structured is None else Causal() | structured
+        out = blockwise_attention(
+            query,
+            key,
+            value,
+            structured,
+            bias,
+            scale,
+            p,
+            training,
+            block_q=block_q,
+            block_k=block_k,
+        )
+        return out, None
+    if isinstance(mask, StructuredMask):
+        mask = mask.materialize(B, H, T, S, query.device)  # [B|1, H|1, T, S]
+    if choice.backend == "fused":
+        return fused_attention(query, key, value, mask, bias, scale, p, training, is_causal), None
     if is_causal:
         mask = combine(mask, causal_mask(T, S, align="bottom_right", device=query.device))
     out, weights = reference_attention(query, key, value, mask, bias, scale, p, training)
     return out, (weights if need_weights else None)
+
+
+def explain_backend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | StructuredMask | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    backend: Backend = "auto",
+) -> str:
+    """Say in one sentence which backend :func:`attention` would use for these arguments and why.
+
+    Takes the same arguments as :func:`attention` and runs the same checks, but computes nothing.
+    If the requested backend cannot serve the call, the sentence says so (``attention`` raises).
+
+    Returns:
+        e.g. ``"blockwise: Causal(align='bottom_right'): 28 of 64 tiles (44%) fully masked, and
+        blockwise skips them"``.
+
+    Raises:
+        TypeError / ValueError: the input errors of :func:`attention`.
+    """
+    _check_call(query, key, value, mask, bias, scale, dropout_p, backend)
+    try:
+        choice: BackendChoice = choose_backend(
+            backend,
+            query,
+            key,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            need_weights=need_weights,
+        )
+    except ValueError as err:
+        return f"no backend: {err} (attention() raises ValueError)"
+    return f"{choice.backend}: {choice.reason}"

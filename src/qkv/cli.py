@@ -68,6 +68,12 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return run_plot(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from qkv.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="qkv", description="Transformer attention you can trust")
@@ -105,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="attention heatmaps (or --positional) of a checkpoint")
     add_plot_arguments(plot)
     plot.set_defaults(func=_cmd_plot)
+
+    bench = sub.add_parser("bench", help="time qkv's attention backends against torch SDPA")
+    from qkv.bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
 
     return parser
 

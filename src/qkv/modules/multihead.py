@@ -53,11 +53,11 @@ class MultiHeadAttention(nn.Module):
         batch_first: inputs are ``[B, T, D]`` (True) or ``[T, B, D]`` (False).
         device: parameter device.
         dtype: parameter dtype.
+        backend: attention backend passed to :func:`qkv.attention` (see ``qkv.explain_backend``).
 
     Attributes:
         record_weights: when True, every forward keeps its per-head weights ``[B, H, T, S]``
             (detached) in ``last_weights``, for plots. Off by default: it costs the fast path.
-        backend: the :func:`qkv.attention` backend every forward uses (default ``"auto"``).
 
     Raises:
         ValueError: a width that does not divide, non-positive sizes, dropout outside [0, 1].
@@ -76,6 +76,7 @@ class MultiHeadAttention(nn.Module):
         batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -112,8 +113,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.record_weights = False
+        self.backend: Backend = backend
         self.last_weights: Tensor | None = None
-        self.backend: Backend = "auto"  # forwarded to qkv.attention; see its backend arg
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         B, L, _ = x.shape

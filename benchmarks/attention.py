@@ -1,0 +1,11 @@
+"""Attention benchmark table: qkv backends vs torch SDPA. See :mod:`qkv.bench`.
+
+Usage: ``python benchmarks/attention.py [--quick] [--repeats N] [--device cuda] [--threads N]``
+"""
+
+import sys
+
+from qkv.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The blockwise backend: online-softmax attention over tiles that skips fully masked ones.
+
+This is the FlashAttention algorithm written with PyTorch ops. Queries are cut into blocks of
+``block_q`` rows and keys into blocks of ``block_k``; each (query block, key block) tile asks the
+mask (a :class:`qkv.structured_masks.StructuredMask`) whether it is fully blocked (skipped),
+fully open (computed with no mask) or partial (its own small mask). The forward keeps a running
+max ``m`` and sum ``l`` per query row, so memory is O(block_q · block_k) for the tile plus
+O(T + S) for the rows, never O(T · S). It saves only the output and the row logsumexp; the
+backward recomputes each tile's probabilities from them (FlashAttention-2), in a custom
+:class:`torch.autograd.Function` rather than autograd over the loop.
+
+Inputs are validated by :mod:`qkv.attention`; float16/bfloat16 are computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.backends.reference import compute_dtype, expand_kv_heads
+from qkv.structured_masks import EMPTY, FULL, SlidingWindow, StructuredMask, TileMask
+
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 512
+MASK_CACHE_BYTES = 32 * 2**20
+"""At most this many bytes of partial tile masks are kept between planning, forward, backward."""
+
+__all__ = [
+    "DEFAULT_BLOCK_K",
+    "DEFAULT_BLOCK_Q",
+    "TilePlan",
+    "blockwise_attention",
+    "default_blocks",
+    "plan_tiles",
+]
+
+
+def default_blocks(mask: StructuredMask | None) -> tuple[int, int]:
+    """``(block_q, block_k)`` for a mask: 256 x 512, narrowed to a sliding window's width.
+
+    A tile much wider than the window computes mostly masked pairs; a window-wide tile keeps
+    the computed band within about twice the window.
+    """
+    windows = [
+        p.window
+        for p in getattr(mask, "parts", (mask,))
+        if isinstance(p, SlidingWindow) and p.window is not None
+    ]
+    if not windows:
+        return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
+    w = min(windows)
+    return min(max(w, 64), DEFAULT_BLOCK_Q), min(max(w, 64), DEFAULT_BLOCK_K)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Which tiles the blockwise backend computes.
+
+    Attributes:
+        tiles: per query block, the ``(q0, q1, k0, k1)`` of every tile not fully masked.
+        total: number of tiles in the grid, skipped ones included.
+        computed_pairs: query-key pairs in the computed tiles (for FLOP counts).
+    """
+
+    tiles: tuple[tuple[tuple[int, int, int, int], ...], ...]
+    total: int
+    computed_pairs: int
+
+    @property
+    def computed(self) -> int:
+        """Number of tiles computed."""
+        return sum(len(row) for row in self.tiles)
+
+
+def plan_tiles(
+    mask: StructuredMask | None,
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    block_q: int,
+    block_k: int,
+    device: torch.device,
+    keep_masks: dict[tuple[int, int, int, int], TileMask] | None = None,
+) -> TilePlan:
+    """Classify every tile of the ``T x S`` grid; keep those that are not fully masked.
+
+    Args:
+        keep_masks: if given, receives each computed tile's mask (FULL or a partial tile
+            tensor) while the partial tiles stored total at most :data:`MASK_CACHE_BYTES`, so
+            forward and backward need not evaluate the rule again. Bounded, so a dense
+            ``mask_mod`` can never make it O(T · S).
+    """
+    rows = []
+    pairs = 0
+    stored = 0
+    for q0 in range(0, T, block_q):
+        q1 = min(q0 + block_q, T)
+        row = []
+        for k0 in range(0, S, block_k):
+            k1 = min(k0 + block_k, S)
+            t = (q0, q1, k0, k1)
+            tm: TileMask = FULL if mask is None else mask.tile(B, H, T, S, *t, device)
+            if tm is EMPTY:
+                continue
+            if keep_masks is not None:
+                size = tm.numel() if isinstance(tm, Tensor) else 0
+                if stored + size <= MASK_CACHE_BYTES:
+                    keep_masks[t] = tm
+                    stored += size
+            row.append(t)
+            pairs += (q1 - q0) * (k1 - k0)
+        rows.append(tuple(row))
+    total = math.ceil(T / block_q) * math.ceil(S / block_k)
+    return TilePlan(tuple(rows), total, pairs)
+
+
+def _bias_tile(bias: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
+    if bias is None:
+        return None
+    qs = slice(q0, q1) if bias.shape[2] != 1 else slice(None)
+    ks = slice(k0, k1) if bias.shape[3] != 1 else slice(None)
+    return bias[:, :, qs, ks]  # [B|1, H|1, bq|1, bk|1]
+
+
+def _dropout_keep(seed: int, index: int, shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
+    """The tile's dropout keep-mask, regenerated identically in the backward."""
+    gen = torch.Generator(device=like.device)
+    gen.manual_seed((seed + 1_000_003 * index) % (2**63))
+    return torch.rand(shape, generator=gen, device=like.device, dtype=like.dtype) >= p
+
+
+class _Ctx:
+    """Everything the tile loops need besides tensors."""
+
+    def __init__(
+        self,
+        mask: StructuredMask | None,
+        shape: tuple[int, int, int, int],
+        scale: float,
+        dropout_p: float,
+        seed: int,
+        plan: TilePlan,
+        blocks: tuple[int, int],
+        masks: dict[tuple[int, int, int, int], TileMask],
+    ) -> None:
+        self.masks = masks  # tile -> its mask, for the tiles planning kept
+        self.mask = mask
+        self.shape = shape  # (B, H, T, S)
+        self.scale = scale
+        self.dropout_p = dropout_p
+        self.seed = seed
+        self.plan = plan
+        self.blocks = blocks  # (block_q, block_k)
+
+    def scores(
+        self, qi: Tensor, k: Tensor, bias: Tensor | None, t: tuple[int, int, int, int], buf: Tensor
+    ) -> Tensor:
+        """Masked scores of one tile, written into ``buf``; ``qi`` is already scaled."""
+        s = _view(buf, (qi.shape[0], qi.shape[1], t[1] - t[0], t[3] - t[2]))  # [B, H, bq, bk]
+        torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1), out=s)  # [B, H, bq, bk]
+        b = _bias_tile(bias, *t)
+        if b is not None:
+            s.add_(b)  # [B, H, bq, bk]
+        tm = self.masks.get(t)
+        if tm is None:
+            tm = FULL if self.mask is None else self.mask.tile(*self.shape, *t, qi.device)
+        if isinstance(tm, Tensor):
+            s.masked_fill_(tm, float("-inf"))  # [B, H, bq, bk]
+        return s
+
+    def keep(self, t: tuple[int, int, int, int], shape: tuple[int, ...], like: Tensor) -> Tensor:
+        nk = math.ceil(self.shape[3] / self.blocks[1])
+        index = (t[0] // self.blocks[0]) * nk + t[2] // self.blocks[1]
+        return _dropout_keep(self.seed, index, shape, self.dropout_p, like)
+
+
+def _view(buf: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A contiguous tensor of ``shape`` over the front of the flat workspace ``buf``."""
+    return buf[: math.prod(shape)].view(shape)
+
+
+def _workspace(q: Tensor, c: _Ctx) -> Tensor:
+    """One tile's worth of memory, reused by every tile.
+
+    Reusing it is not only tidy: a fresh multi-megabyte tensor per tile costs page faults that
+    take longer than the tile's arithmetic on CPU.
+    """
+    B, H = c.shape[0], c.shape[1]
+    return torch.empty(B * H * c.blocks[0] * c.blocks[1], dtype=q.dtype, device=q.device)
+
+
+class _BlockwiseFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, c: _Ctx) -> Tensor:
+        B, H, T, _ = q.shape
+        Dv = v.shape[3]
+        out = torch.zeros(B, H, T, Dv, dtype=q.dtype, device=q.device)  # [B, H, T, Dv]
+        lse = torch.zeros(B, H, T, dtype=q.dtype, device=q.device)  # [B, H, T]
+        drop = c.dropout_p > 0.0
+        buf = _workspace(q, c)
+        for row in c.plan.tiles:
+            if not row:
+                continue
+            q0, q1 = row[0][0], row[0][1]
+            qi = q[:, :, q0:q1] * c.scale  # [B, H, bq, Dh]
+            m = torch.full((B, H, q1 - q0), float("-inf"), dtype=q.dtype, device=q.device)
+            l_sum = torch.zeros(B, H, q1 - q0, dtype=q.dtype, device=q.device)  # [B, H, bq]
+            acc = torch.zeros(B, H, q1 - q0, Dv, dtype=q.dtype, device=q.device)  # [B, H, bq, Dv]
+            for t in row:
+                s = c.scores(qi, k, bias, t, buf)  # [B, H, bq, bk], updated in place
+                m_new = torch.maximum(m, s.amax(dim=-1))  # [B, H, bq]
+                # Rows with every key so far blocked keep m = -inf; shift them by 0 instead.
+                m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # [B, H, bq]
+                p = s.sub_(m_safe[..., None]).exp_()  # [B, H, bq, bk]
+                alpha = (m - m_safe).exp_()  # [B, H, bq]
+                l_sum.mul_(alpha).add_(p.sum(dim=-1))  # [B, H, bq]
+                if drop:
+                    p = p.mul_(c.keep(t, tuple(p.shape), p)).div_(1.0 - c.dropout_p)
+                acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[:, :, t[2] : t[3]]))
+                m = m_new
+            dead = l_sum == 0  # [B, H, bq]: every key blocked
+            l_safe = l_sum.masked_fill(dead, 1.0)  # [B, H, bq]
+            out[:, :, q0:q1] = acc / l_safe[..., None]  # [B, H, bq, Dv]
+            m_fin = m.masked_fill(torch.isneginf(m), 0.0)  # [B, H, bq]
+            lse[:, :, q0:q1] = (m_fin + torch.log(l_safe)).masked_fill(dead, 0.0)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.c = c
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        c: _Ctx = ctx.c
+        d_out = d_out.contiguous()
+        delta = (d_out * out).sum(dim=-1)  # [B, H, T]
+        dq = torch.zeros_like(q)  # [B, H, T, Dh]
+        dk = torch.zeros_like(k)  # [B, H, S, Dh]
+        dv = torch.zeros_like(v)  # [B, H, S, Dv]
+        want_bias = bias is not None and ctx.needs_input_grad[3]
+        dbias = torch.zeros_like(bias) if want_bias else None
+        drop = c.dropout_p > 0.0
+        inv_keep = 1.0 / (1.0 - c.dropout_p) if drop else 1.0
+        buf_s, buf_dp = _workspace(q, c), _workspace(q, c)
+        for row in c.plan.tiles:
+            if not row:
+                continue
+            q0, q1 = row[0][0], row[0][1]
+            qi = q[:, :, q0:q1] * c.scale  # [B, H, bq, Dh]
+            do_i = d_out[:, :, q0:q1]  # [B, H, bq, Dv]
+            lse_i = lse[:, :, q0:q1, None]  # [B, H, bq, 1]
+            delta_i = delta[:, :, q0:q1, None]  # [B, H, bq, 1]
+            dq_i = torch.zeros_like(qi)  # [B, H, bq, Dh]
+            for t in row:
+                k0, k1 = t[2], t[3]
+                p = c.scores(qi, k, bias, t, buf_s).sub_(lse_i).exp_()  # [B, H, bq, bk]
+                vj = v[:, :, k0:k1]  # [B, H, bk, Dv]
+                dp = _view(buf_dp, tuple(p.shape))  # [B, H, bq, bk]
+                torch.matmul(do_i, vj.transpose(-2, -1), out=dp)  # [B, H, bq, bk]
+                if drop:
+                    keep = c.keep(t, tuple(p.shape), p)
+                    p_used = p * keep * inv_keep  # [B, H, bq, bk]
+                    dp.mul_(keep).mul_(inv_keep)  # [B, H, bq, bk]
+                else:
+                    p_used = p
+                dv[:, :, k0:k1] += torch.matmul(p_used.transpose(-2, -1), do_i)  # [B, H, bk, Dv]
+                ds = dp.sub_(delta_i).mul_(p)  # [B, H, bq, bk]
+                dq_i += torch.matmul(ds, k[:, :, k0:k1])  # [B, H, bq, Dh]
+                dk[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), qi)  # [B, H, bk, Dh]
+                if dbias is not None:
+                    dims = [d for d in range(4) if dbias.shape[d] == 1]
+                    red = ds.sum(dim=dims, keepdim=True) if dims else ds
+                    qs = slice(q0, q1) if dbias.shape[2] != 1 else slice(None)
+                    ks = slice(k0, k1) if dbias.shape[3] != 1 else slice(None)
+                    dbias[:, :, qs, ks] += red
+            dq[:, :, q0:q1] = dq_i * c.scale
+        return dq, dk, dv, dbias, None
+
+
+def blockwise_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: StructuredMask | None,
+    bias: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    dropout_seed: int | None = None,
+) -> Tensor:
+    """Blockwise attention; see :func:`qkv.attention` for the contract.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
+        value: ``[B, Hkv, S, Dv]``.
+        mask: a structured mask (bool tensors are wrapped in
+            :class:`qkv.structured_masks.Dense` by the caller), or None.
+        bias: float broadcastable to ``[B, H, T, S]``, added to the scores, or None.
+        scale: multiplies the scores.
+        dropout_p: dropout on the weights (only when ``training``).
+        training: apply dropout.
+        block_q: query rows per tile (any positive int; need not divide T); default from
+            :func:`default_blocks`.
+        block_k: keys per tile (any positive int; need not divide S); default likewise.
+        dropout_seed: seed of the per-tile dropout masks; default drawn from torch's RNG.
+
+    Returns:
+        Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
+
+    Raises:
+        ValueError: non-positive block sizes.
+    """
+    auto_q, auto_k = default_blocks(mask)
+    block_q = auto_q if block_q is None else block_q
+    block_k = auto_k if block_k is None else block_k
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    out_dtype = query.dtype
+    work = compute_dtype(out_dtype)
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    p = dropout_p if training else 0.0
+    if p >= 1.0:
+        return torch.zeros(B, H, T, value.shape[3], dtype=out_dtype, device=query.device)
+    if p > 0.0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+    masks: dict[tuple[int, int, int, int], TileMask] = {}
+    plan = plan_tiles(mask, B, H, T, S, block_q, block_k, query.device, masks)
+    c = _Ctx(mask, (B, H, T, S), scale, p, dropout_seed or 0, plan, (block_q, block_k), masks)
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        q = query.to(work)  # [B, H, T, Dh]
+        k = expand_kv_heads(key.to(work), H)  # [B, H, S, Dh]
+        v = expand_kv_heads(value.to(work), H)  # [B, H, S, Dv]
+        b4 = None
+        if bias is not None:
+            b4 = bias.to(work).reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        out = _BlockwiseFunction.apply(q, k, v, b4, c)
+    assert isinstance(out, Tensor)
+    return out.to(out_dtype)

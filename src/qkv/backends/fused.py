@@ -1,0 +1,99 @@
+"""The fused backend: PyTorch's ``F.scaled_dot_product_attention`` with qkv's semantics kept.
+
+SDPA's fused CPU kernel is fast but its conventions differ from qkv's, so this module converts
+at the edge and patches the two places where results would differ:
+
+- masks: qkv's True = blocked becomes SDPA's True = may attend; a bias is folded into a float
+  mask (``bias`` and ``-inf`` where blocked).
+- ``is_causal``: qkv's is bottom-right aligned, SDPA's top-left; SDPA's flag (which skips the
+  upper triangle inside the kernel) is used only when ``T == S`` and there is nothing else to
+  mask, otherwise the bottom-right causal mask is materialized.
+- fully masked rows: SDPA would produce NaN (or an undefined value) for a row with every key
+  blocked. Such rows are unblocked before the call and their output set to 0 after it, which
+  also gives them zero, finite gradients, as in the reference.
+- low precision: float16/bfloat16 are upcast to float32 before the call (no trust in how the
+  kernel accumulates), and the result is cast back.
+
+Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated by
+:mod:`qkv.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.backends.reference import compute_dtype
+from qkv.masks import causal_mask
+
+__all__ = ["fused_attention", "uses_sdpa_is_causal"]
+
+
+def uses_sdpa_is_causal(T: int, S: int, mask: object, bias: object, is_causal: bool) -> bool:
+    """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag."""
+    return is_causal and T == S and mask is None and bias is None
+
+
+def fused_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    scale: float,
+    dropout_p: float,
+    training: bool,
+    is_causal: bool,
+) -> Tensor:
+    """Attention through SDPA; see :func:`qkv.attention` for the contract.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
+        value: ``[B, Hkv, S, Dv]``.
+        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked, or None.
+        bias: float broadcastable to ``[B, H, T, S]``, or None.
+        scale: multiplies the scores.
+        dropout_p: dropout on the weights (only when ``training``).
+        training: apply dropout.
+        is_causal: also block future keys, bottom-right aligned.
+
+    Returns:
+        Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
+    """
+    out_dtype = query.dtype
+    work = compute_dtype(out_dtype)
+    T, S = query.shape[2], key.shape[2]
+    sdpa_causal = uses_sdpa_is_causal(T, S, mask, bias, is_causal)
+    if is_causal and not sdpa_causal:
+        causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
+        mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
+    dead: Tensor | None = None
+    if mask is not None:
+        dead = mask.all(dim=-1, keepdim=True)  # [B|1, H|1, T|1, 1]
+        if bool(dead.any()):
+            mask = mask & ~dead  # [B|1, H|1, T, S]: SDPA sees dead rows unblocked
+        else:
+            dead = None
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        attn_mask: Tensor | None = None
+        if bias is not None:
+            attn_mask = bias.to(work)  # [B|1, H|1, T|1, S|1]
+            if mask is not None:
+                attn_mask = attn_mask.masked_fill(mask, float("-inf"))  # [B|1, H|1, T, S]
+        elif mask is not None:
+            attn_mask = ~mask  # [B|1, H|1, T, S], SDPA's True = may attend
+        out = F.scaled_dot_product_attention(
+            query.to(work),
+            key.to(work),
+            value.to(work),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p if training else 0.0,
+            is_causal=sdpa_causal,
+            scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )  # [B, H, T, Dv]
+        if dead is not None:
+            out = out.masked_fill(dead, 0.0)  # [B, H, T, Dv]
+    return out.to(out_dtype)
