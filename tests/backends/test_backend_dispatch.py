@@ -66,7 +66,10 @@ def test_structured_mask_that_does_not_fit_is_refused() -> None:
 @pytest.mark.parametrize("backend", ["fused", "blockwise"])
 def test_multihead_passes_its_backend(backend: str) -> None:
     mha = qkv.MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend)  # type: ignore[arg-type]
+    assert mha.backend == backend
     x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match="weights"):
+        mha(x, need_weights=True)  # only the reference backend returns weights
     out, weights = mha(x, need_weights=False, is_causal=True)
     assert weights is None
     mha.backend = "reference"
