@@ -9,6 +9,7 @@ from torch import Tensor
 import qkv
 from qkv import masks
 from qkv.modules.multihead import MultiHeadAttention
+from qkv.structured_masks import SlidingWindow
 
 
 def test_embed_dim_not_divisible_names_the_numbers() -> None:
@@ -149,3 +150,18 @@ def test_module_uses_qkv_attention() -> None:
         k = mha.k_proj(x).view(1, 4, 2, 4).transpose(1, 2)
         _, ref_w = qkv.attention(q, k, k, is_causal=True, need_weights=True)
     torch.testing.assert_close(w, ref_w)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused", "blockwise"])
+def test_structured_mask_joins_pytorch_style_masks(backend: str) -> None:
+    """A structured mask keeps its structure and ORs with key_padding_mask, on every backend."""
+    B, T, D, H = 2, 7, 16, 4
+    mha = MultiHeadAttention(D, H, backend=backend).eval()  # type: ignore[arg-type]
+    x = torch.randn(B, T, D)
+    key_padding = torch.tensor([[False] * 7, [False] * 5 + [True] * 2])  # [B, S], True = ignore
+    window = SlidingWindow(3)
+    dense = window.materialize(B, H, T, T) | key_padding[:, None, None, :]  # [B, 1, T, S]
+    out, _ = mha(x, key_padding_mask=key_padding, mask=window, need_weights=False)
+    mha.backend = "reference"
+    ref, _ = mha(x, mask=dense, need_weights=False)
+    torch.testing.assert_close(out, ref)

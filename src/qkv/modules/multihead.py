@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from qkv.attention import Backend, attention
 from qkv.masks import combine, from_additive, from_mha_attn_mask, padding_mask
 from qkv.modules.positional import apply_rotary
+from qkv.structured_masks import Dense, StructuredMask
 
 if TYPE_CHECKING:
     from qkv.modules.kv_cache import KVCache
@@ -162,7 +163,7 @@ class MultiHeadAttention(nn.Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
         *,
-        mask: Tensor | None = None,
+        mask: Tensor | StructuredMask | None = None,
         bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
@@ -183,7 +184,8 @@ class MultiHeadAttention(nn.Module):
                 (``[B, H, T, S]``).
             is_causal: block future keys (bottom-right aligned, see :func:`qkv.attention`).
             mask: a mask in qkv's convention (True = blocked, broadcastable to
-                ``[B, H, T, S]``), combined with the two above.
+                ``[B, H, T, S]``) or a :mod:`qkv.structured_masks` object, combined with the
+                two above.
             bias: float score bias broadcastable to ``[B, H, T, S]`` (ALiBi).
             rope: ``(cos, sin)``, each ``[T, Dh]``, for the query positions: rotate queries and
                 the new keys (self-attention only; see :mod:`qkv.modules.positional`).
@@ -214,11 +216,17 @@ class MultiHeadAttention(nn.Module):
                 f"query, key and value must share B (and key/value S): got query "
                 f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
-        blocked = combine(
-            mask,
+        torch_masks = combine(
             None if key_padding_mask is None else _mha_key_padding(key_padding_mask, B, S),
             None if attn_mask is None else from_mha_attn_mask(attn_mask, B, self.num_heads),
         )
+        blocked: Tensor | StructuredMask | None
+        if isinstance(mask, StructuredMask):
+            # keep the structure (blockwise skips its empty tiles); PyTorch-style masks join it
+            # as a dense part
+            blocked = mask if torch_masks is None else mask | Dense(torch_masks)
+        else:
+            blocked = combine(mask, torch_masks)
         q = self._split(self.q_proj(query), self.num_heads)  # [B, H, T, Dh]
         k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
         if rope is not None:
