@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from qkv.modules.feed_forward import ACTIVATIONS
 
-__all__ = ["NORMS", "POSITIONALS", "DecoderOnlyConfig", "TransformerConfig"]
+__all__ = ["NORMS", "POSITIONALS", "DecoderOnlyConfig", "TransformerConfig", "layer_kwargs"]
 
 NORMS: tuple[str, ...] = ("layer", "rms")
 POSITIONALS: tuple[str, ...] = ("sinusoidal", "learned", "rotary", "alibi", "none")
@@ -65,6 +65,22 @@ def _check_token(name: str, value: int | None, vocab: int, vocab_name: str) -> N
         return
     if not isinstance(value, int) or not 0 <= value < vocab:
         raise ValueError(f"{name}={value!r} must be a token id in [0, {vocab_name}={vocab})")
+
+
+def layer_kwargs(cfg: TransformerConfig | DecoderOnlyConfig) -> dict[str, Any]:
+    """The constructor arguments every :class:`~qkv.modules.layers.EncoderLayer` /
+    :class:`~qkv.modules.layers.DecoderLayer` of a model built from ``cfg`` shares."""
+    return {
+        "d_model": cfg.d_model,
+        "num_heads": cfg.num_heads,
+        "dim_feedforward": cfg.dim_feedforward,
+        "dropout": cfg.dropout,
+        "activation": cfg.activation,
+        "norm_first": cfg.norm_first,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "norm": cfg.norm,
+        "num_kv_heads": cfg.num_kv_heads,
+    }
 
 
 def _from_dict(cls: type[_C], d: dict[str, Any]) -> _C:

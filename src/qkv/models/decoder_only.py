@@ -8,13 +8,11 @@ Shapes: B batch, T new tokens, S cached + new tokens, D model width, V vocabular
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
 from qkv import masks
-from qkv.models.config import DecoderOnlyConfig
+from qkv.models.config import DecoderOnlyConfig, layer_kwargs
 from qkv.models.encoder_decoder import check_ids, key_padding
 from qkv.models.positions import make_positional, position_inputs
 from qkv.modules.kv_cache import KVCache
@@ -47,17 +45,7 @@ class DecoderOnlyLM(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, D)
         self.positional = make_positional(c.positional, D, c.num_heads, c.max_len)
         self.embed_dropout = nn.Dropout(c.dropout)
-        layer_kw: dict[str, Any] = {
-            "d_model": D,
-            "num_heads": c.num_heads,
-            "dim_feedforward": c.dim_feedforward,
-            "dropout": c.dropout,
-            "activation": c.activation,
-            "norm_first": c.norm_first,
-            "layer_norm_eps": c.layer_norm_eps,
-            "norm": c.norm,
-            "num_kv_heads": c.num_kv_heads,
-        }
+        layer_kw = layer_kwargs(c)
         self.layers = nn.ModuleList([EncoderLayer(**layer_kw) for _ in range(c.num_layers)])
         self.norm: nn.Module = (
             make_norm(c.norm, D, c.layer_norm_eps)  # type: ignore[arg-type]

@@ -8,13 +8,12 @@ Padding masks at this level are bool ``[B, L]`` with True = padding.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from qkv.masks import padding_mask
-from qkv.models.config import TransformerConfig
+from qkv.models.config import TransformerConfig, layer_kwargs
 from qkv.models.positions import make_positional, position_inputs
 from qkv.models.stacks import Decoder, Encoder
 from qkv.modules.kv_cache import KVCache
@@ -87,17 +86,7 @@ class Transformer(nn.Module):
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
         self.positional = make_positional(c.positional, D, c.num_heads, c.max_len)
         self.embed_dropout = nn.Dropout(c.dropout)
-        layer_kw: dict[str, Any] = {
-            "d_model": D,
-            "num_heads": c.num_heads,
-            "dim_feedforward": c.dim_feedforward,
-            "dropout": c.dropout,
-            "activation": c.activation,
-            "norm_first": c.norm_first,
-            "layer_norm_eps": c.layer_norm_eps,
-            "norm": c.norm,
-            "num_kv_heads": c.num_kv_heads,
-        }
+        layer_kw = layer_kwargs(c)
         self.encoder = Encoder(
             [EncoderLayer(**layer_kw) for _ in range(c.num_encoder_layers)],
             make_norm(c.norm, D, c.layer_norm_eps),  # type: ignore[arg-type]
