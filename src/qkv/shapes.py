@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from qkv.attention import scaled_dot_product_attention
@@ -53,6 +53,12 @@ def _first(calls: list[tuple[str, tuple[int, ...]]], names: set[str]) -> tuple[i
     )
 
 
+def _check_sizes(**sizes: int) -> None:
+    bad = {k: v for k, v in sizes.items() if v < 1}
+    if bad:
+        raise ValueError(f"sizes must be positive, got {bad}")
+
+
 def trace_attention_shapes(
     B: int, H: int, T: int, S: int, Dh: int, Dv: int, *, seed: int = 0
 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -76,10 +82,7 @@ def trace_attention_shapes(
     Raises:
         ValueError: a non-positive size.
     """
-    sizes = {"B": B, "H": H, "T": T, "S": S, "Dh": Dh, "Dv": Dv}
-    bad = {k: v for k, v in sizes.items() if v < 1}
-    if bad:
-        raise ValueError(f"sizes must be positive, got {bad}")
+    _check_sizes(B=B, H=H, T=T, S=S, Dh=Dh, Dv=Dv)
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, Dh, generator=gen)  # [B, H, T, Dh]
     k = torch.randn(B, H, S, Dh, generator=gen)  # [B, H, S, Dh]
@@ -132,16 +135,10 @@ def trace_model_shapes(
     Raises:
         ValueError: a non-positive size.
     """
-    from torch import Tensor, nn
-
     from qkv.models import Transformer, TransformerConfig
     from qkv.modules.multihead import MultiHeadAttention
 
-    sizes = {"B": B, "S": S, "T": T, "H": H, "Dh": Dh, "num_layers": num_layers}
-    bad = {k: v for k, v in sizes.items() if v < 1}
-    if bad:
-        raise ValueError(f"sizes must be positive, got {bad}")
-    torch.manual_seed(seed)
+    _check_sizes(B=B, S=S, T=T, H=H, Dh=Dh, num_layers=num_layers)
     cfg = TransformerConfig(
         src_vocab_size=20,
         tgt_vocab_size=20,
@@ -153,7 +150,9 @@ def trace_model_shapes(
         dropout=0.0,
         max_len=max(S, T),
     )
-    model = Transformer(cfg).eval()
+    with torch.random.fork_rng():  # seed the weights without touching the caller's generator
+        torch.manual_seed(seed)
+        model = Transformer(cfg).eval()
     rows: list[tuple[str, list[tuple[str, tuple[int, ...]]], tuple[int, ...]]] = []
 
     def hooks(name: str, module: nn.Module) -> tuple[Any, Any]:
@@ -187,9 +186,10 @@ def trace_model_shapes(
             before, after = hooks(name, module)
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after))
-    src = torch.randint(3, 20, (B, S))
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, 20, (B, S), generator=gen)
     src[0, -1] = cfg.pad_id
-    tgt = torch.randint(3, 20, (B, T))
+    tgt = torch.randint(3, 20, (B, T), generator=gen)
     tgt[:, 0] = cfg.bos_id
     with torch.no_grad():
         logits = model(src, tgt)

@@ -1,6 +1,7 @@
 """`qkv shapes --model`: the traced shapes are those of a real forward pass."""
 
 import pytest
+import torch
 
 from qkv.cli import main
 from qkv.shapes import trace_model_shapes
@@ -24,3 +25,11 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["shapes", "--model", "--layers", "1", "--T", "4"]) == 0
     out = capsys.readouterr().out
     assert "decoder.layers.0.cross_attn" in out and "[2, 4, 32]" in out
+
+
+def test_trace_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    trace_model_shapes()
+    torch.testing.assert_close(torch.rand(3), expected, atol=0, rtol=0)
