@@ -20,9 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
 import torch
 import transformers
 
-from qkv.attention import BACKENDS
+from qkv.apps.embed import SentenceEmbedder, default_model_dir
 from qkv.convert import load_bert
-from qkv.embed import SentenceEmbedder, default_model_dir
+from qkv.functional import BACKENDS
 
 TEXT = (
     "the quick brown fox jumps over a lazy dog while attention weights sum to one and "

@@ -7,25 +7,22 @@ Public API::
     qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # fused / blockwise too
     qkv.explain_backend(q, k, v, mask=...)                    # which backend, and why
     qkv.masks                                                 # builders and converters
-    qkv.structured_masks                                      # masks as rules, never [T, S]
+    qkv.masks                                      # masks as rules, never [T, S]
     qkv.MultiHeadAttention                                    # nn.MultiheadAttention-compatible
     qkv.Transformer(qkv.TransformerConfig(...))               # encoder-decoder model
     qkv.DecoderOnlyLM(qkv.DecoderOnlyConfig(...))             # GPT-style causal LM
     qkv.KVCache                                               # keys/values for decoding
 """
 
-from qkv import masks, structured_masks
-from qkv.attention import (
+from qkv import masks
+from qkv.functional import (
     BACKENDS,
     Backend,
     attention,
     explain_backend,
     scaled_dot_product_attention,
 )
-from qkv.models import DecoderOnlyConfig, DecoderOnlyLM, Transformer, TransformerConfig
-from qkv.modules.kv_cache import KVCache
-from qkv.modules.multihead import MultiHeadAttention
-from qkv.structured_masks import (
+from qkv.masks import (
     Causal,
     Documents,
     MaskMod,
@@ -33,6 +30,9 @@ from qkv.structured_masks import (
     SlidingWindow,
     StructuredMask,
 )
+from qkv.models import DecoderOnlyConfig, DecoderOnlyLM, Transformer, TransformerConfig
+from qkv.nn.kv_cache import KVCache
+from qkv.nn.multihead import MultiHeadAttention
 
 __version__ = "0.1.0"
 
@@ -56,5 +56,4 @@ __all__ = [
     "explain_backend",
     "masks",
     "scaled_dot_product_attention",
-    "structured_masks",
 ]

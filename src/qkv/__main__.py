@@ -2,6 +2,6 @@
 
 import sys
 
-from qkv.cli import main
+from qkv.apps.cli import main
 
 sys.exit(main())

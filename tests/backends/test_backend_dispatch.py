@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.structured_masks import Causal, MaskMod, Padding, SlidingWindow
+from qkv.masks import Causal, MaskMod, Padding, SlidingWindow
 
 
 def _qkv(T: int, S: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,7 @@ import torch
 
 import qkv
 from qkv.backends.blockwise import blockwise_attention
-from qkv.structured_masks import Causal
+from qkv.masks import Causal
 
 
 @pytest.mark.parametrize("backend", ["reference", "fused", "blockwise"])

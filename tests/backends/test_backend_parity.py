@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.structured_masks import (
+from qkv.masks import (
     Causal,
     Documents,
     MaskMod,

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
-from qkv.structured_masks import Causal, Documents, MaskMod, Padding, SlidingWindow
+from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow
 
 
 class LargestTensor(TorchDispatchMode):

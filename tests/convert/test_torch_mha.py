@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from qkv import masks
 from qkv.convert import from_torch_mha, to_torch_mha
-from qkv.modules.multihead import MultiHeadAttention
+from qkv.nn.multihead import MultiHeadAttention
 
 B, T, S, D, H = 3, 5, 7, 8, 2
 ATOL = RTOL = 1e-6  # float32, as the issue asks

@@ -17,9 +17,9 @@ import pytest
 import torch
 import transformers
 
-from qkv.attention import BACKENDS
-from qkv.convert.bert import load_bert
-from qkv.embed import SentenceEmbedder, default_model_dir
+from qkv.apps.embed import SentenceEmbedder, default_model_dir
+from qkv.convert.hf_bert import load_bert
+from qkv.functional import BACKENDS
 from qkv.models.bert import BertConfig, BertEncoder
 
 SENTENCES = [

@@ -2,7 +2,7 @@
 
 This is the FlashAttention algorithm written with PyTorch ops. Queries are cut into blocks of
 ``block_q`` rows and keys into blocks of ``block_k``; each (query block, key block) tile asks the
-mask (a :class:`qkv.structured_masks.StructuredMask`) whether it is fully blocked (skipped),
+mask (a :class:`qkv.masks.StructuredMask`) whether it is fully blocked (skipped),
 fully open (computed with no mask) or partial (its own small mask). The forward keeps a running
 max ``m`` and sum ``l`` per query row, so memory is O(block_q · block_k) for the tile plus
 O(T + S) for the rows, never O(T · S). It saves only the output and the row logsumexp; the
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from qkv.backends.reference import compute_dtype, expand_kv_heads
-from qkv.structured_masks import EMPTY, FULL, SlidingWindow, StructuredMask, TileMask
+from qkv.masks import EMPTY, FULL, SlidingWindow, StructuredMask, TileMask
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 512
@@ -302,7 +302,7 @@ def blockwise_attention(
         key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, S, Dv]``.
         mask: a structured mask (bool tensors are wrapped in
-            :class:`qkv.structured_masks.Dense` by the caller), or None.
+            :class:`qkv.masks.Dense` by the caller), or None.
         bias: float broadcastable to ``[B, H, T, S]``, added to the scores, or None.
         scale: multiplies the scores.
         dropout_p: dropout on the weights (only when ``training``).

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from qkv.backends.blockwise import default_blocks, plan_tiles
 from qkv.backends.fused import uses_sdpa_is_causal
-from qkv.structured_masks import (
+from qkv.masks import (
     Causal,
     Dense,
     Documents,

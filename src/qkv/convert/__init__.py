@@ -1,6 +1,6 @@
 """State-dict conversion to and from other implementations (``torch.nn``, Hugging Face)."""
 
-from qkv.convert.bert import load_bert
+from qkv.convert.hf_bert import load_bert
 from qkv.convert.torch_mha import from_torch_mha, to_torch_mha
 from qkv.convert.torch_transformer import (
     from_torch_decoder_layer,

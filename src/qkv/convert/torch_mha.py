@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qkv.modules.multihead import MultiHeadAttention
+from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["from_torch_mha", "to_torch_mha"]
 

@@ -4,7 +4,7 @@ The parts map one to one; only the names and PyTorch's packed ``in_proj_weight``
 (handled by :mod:`qkv.convert.torch_mha`):
 
 ===============================  ===============================
-``nn.TransformerEncoderLayer``   :class:`qkv.modules.EncoderLayer`
+``nn.TransformerEncoderLayer``   :class:`qkv.nn.EncoderLayer`
 ===============================  ===============================
 ``self_attn``                    ``self_attn``
 ``multihead_attn`` (decoder)     ``cross_attn``
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkv.convert.torch_mha import from_torch_mha, to_torch_mha
-from qkv.models.encoder_decoder import Transformer
-from qkv.models.stacks import Decoder, Encoder, EncoderDecoder
-from qkv.modules.feed_forward import FeedForward
-from qkv.modules.layers import DecoderLayer, EncoderLayer
+from qkv.models.transformer import Transformer
+from qkv.nn.feed_forward import FeedForward
+from qkv.nn.layers import DecoderLayer, EncoderLayer
+from qkv.nn.stacks import Decoder, Encoder, EncoderDecoder
 
 __all__ = [
     "from_torch_decoder_layer",
@@ -214,7 +214,7 @@ def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
         ValueError: GQA, SwiGLU or RMSNorm, which PyTorch's layer cannot express.
     """
     if not isinstance(layer, EncoderLayer):
-        raise TypeError(f"expected qkv.modules.EncoderLayer, got {type(layer).__name__}")
+        raise TypeError(f"expected qkv.nn.EncoderLayer, got {type(layer).__name__}")
     out = nn.TransformerEncoderLayer(**_check_exportable(layer))
     with torch.no_grad():
         _store_common(out, layer)
@@ -229,7 +229,7 @@ def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
         ValueError: GQA, SwiGLU or RMSNorm, which PyTorch's layer cannot express.
     """
     if not isinstance(layer, DecoderLayer):
-        raise TypeError(f"expected qkv.modules.DecoderLayer, got {type(layer).__name__}")
+        raise TypeError(f"expected qkv.nn.DecoderLayer, got {type(layer).__name__}")
     out = nn.TransformerDecoderLayer(**_check_exportable(layer))
     with torch.no_grad():
         _store_common(out, layer)

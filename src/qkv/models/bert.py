@@ -1,7 +1,7 @@
 """A BERT encoder built from qkv parts: embeddings, then post-norm :class:`EncoderLayer` s.
 
 This is the architecture of Hugging Face ``BertModel`` without its pooler (sentence embeddings
-mean-pool the last hidden states instead; see :mod:`qkv.embed`). Weights come from a checkpoint
+mean-pool the last hidden states instead; see :mod:`qkv.apps.embed`). Weights come from a checkpoint
 through :func:`qkv.convert.load_bert`.
 
 Shapes: B batch, T tokens, D ``hidden_size``, H ``num_attention_heads``, V ``vocab_size``.
@@ -17,11 +17,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import BACKENDS, Backend
+from qkv.functional import BACKENDS, Backend
 from qkv.masks import from_hf
-from qkv.models.stacks import Encoder
-from qkv.modules.feed_forward import Activation
-from qkv.modules.layers import EncoderLayer
+from qkv.nn.feed_forward import Activation
+from qkv.nn.layers import EncoderLayer
+from qkv.nn.stacks import Encoder
 
 __all__ = ["BERT_ACTIVATIONS", "BertConfig", "BertEmbeddings", "BertEncoder"]
 
@@ -169,7 +169,7 @@ class BertEncoder(nn.Module):
 
     Attributes:
         embeddings: :class:`BertEmbeddings`.
-        encoder: :class:`~qkv.models.stacks.Encoder` of post-norm :class:`EncoderLayer`
+        encoder: :class:`~qkv.nn.stacks.Encoder` of post-norm :class:`EncoderLayer`
             (GELU, the config's eps), no final norm.
 
     Raises:

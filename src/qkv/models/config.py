@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from qkv.modules.feed_forward import ACTIVATIONS
+from qkv.nn.feed_forward import ACTIVATIONS
 
 __all__ = ["NORMS", "POSITIONALS", "DecoderOnlyConfig", "TransformerConfig", "layer_kwargs"]
 
@@ -68,8 +68,8 @@ def _check_token(name: str, value: int | None, vocab: int, vocab_name: str) -> N
 
 
 def layer_kwargs(cfg: TransformerConfig | DecoderOnlyConfig) -> dict[str, Any]:
-    """The constructor arguments every :class:`~qkv.modules.layers.EncoderLayer` /
-    :class:`~qkv.modules.layers.DecoderLayer` of a model built from ``cfg`` shares."""
+    """The constructor arguments every :class:`~qkv.nn.layers.EncoderLayer` /
+    :class:`~qkv.nn.layers.DecoderLayer` of a model built from ``cfg`` shares."""
     return {
         "d_model": cfg.d_model,
         "num_heads": cfg.num_heads,

@@ -1,6 +1,6 @@
 """A GPT-style decoder-only language model: embeddings, positions, causal blocks, head.
 
-Each block is an :class:`~qkv.modules.layers.EncoderLayer` run with ``is_causal=True`` (a
+Each block is an :class:`~qkv.nn.layers.EncoderLayer` run with ``is_causal=True`` (a
 decoder-only block is self-attention + feed-forward with no cross-attention).
 
 Shapes: B batch, T new tokens, S cached + new tokens, D model width, V vocabulary.
@@ -13,10 +13,10 @@ from torch import Tensor, nn
 
 from qkv import masks
 from qkv.models.config import DecoderOnlyConfig, layer_kwargs
-from qkv.models.encoder_decoder import check_ids, key_padding
-from qkv.models.positions import make_positional, position_inputs
-from qkv.modules.kv_cache import KVCache
-from qkv.modules.layers import EncoderLayer, make_norm
+from qkv.models.transformer import check_ids, key_padding
+from qkv.nn.kv_cache import KVCache
+from qkv.nn.layers import EncoderLayer, make_norm
+from qkv.nn.positions import make_positional, position_inputs
 
 __all__ = ["DecoderOnlyLM"]
 

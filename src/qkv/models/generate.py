@@ -16,7 +16,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.encoder_decoder import Transformer
+    from qkv.models.transformer import Transformer
 
 __all__ = ["beam_search", "greedy_encoder_decoder", "sample_decoder_only"]
 
@@ -35,7 +35,7 @@ def _check_steps(max_new_tokens: object, start: int, max_len: int) -> int:
 
 
 def _src_padding(model: Transformer, src: Tensor, src_padding_mask: Tensor | None) -> Tensor:
-    from qkv.models.encoder_decoder import check_ids
+    from qkv.models.transformer import check_ids
 
     check_ids("src", src, model.config.src_vocab_size)
     if src_padding_mask is None:
@@ -182,7 +182,7 @@ def sample_decoder_only(
     generator: torch.Generator | None,
 ) -> Tensor:
     """Greedy / temperature / top-k decoding; see :meth:`DecoderOnlyLM.generate`."""
-    from qkv.models.encoder_decoder import check_ids
+    from qkv.models.transformer import check_ids
 
     c = model.config
     check_ids("ids", ids, c.vocab_size)

@@ -171,7 +171,7 @@ def build_model(cfg: TrainConfig, task: Seq2SeqTask | TextTask) -> tuple[nn.Modu
     """A freshly initialised model for ``task`` (seed the RNG first) and its config dict."""
     from qkv.models.config import DecoderOnlyConfig, TransformerConfig
     from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.encoder_decoder import Transformer
+    from qkv.models.transformer import Transformer
 
     V = task.vocab.size
     common: dict[str, Any] = {
@@ -217,7 +217,7 @@ def model_from_config(model_type: str, config: dict[str, Any]) -> nn.Module:
     """
     from qkv.models.config import DecoderOnlyConfig, TransformerConfig
     from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.encoder_decoder import Transformer
+    from qkv.models.transformer import Transformer
 
     if model_type == "transformer":
         return Transformer(TransformerConfig.from_dict(config))

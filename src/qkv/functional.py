@@ -1,0 +1,376 @@
+"""Scaled dot-product attention: validation, the tutorial-form function, and the dispatcher.
+
+Shapes (one alphabet everywhere): B batch, H query heads, Hkv key/value heads, T query length,
+S key length, Dh query/key width, Dv value width.
+
+Masks follow qkv's one convention (see :mod:`qkv.masks`): a bool tensor broadcastable to
+``[B, H, T, S]``, **True = this key may NOT be attended**. A query row whose keys are all
+blocked gets weights 0 and output 0, with finite gradients.
+
+Precision: float16 / bfloat16 inputs are cast to float32 before the dot product, float64 stays
+float64, any enclosing autocast is disabled, and results come back in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from qkv.backends.blockwise import blockwise_attention
+from qkv.backends.dispatch import BackendChoice, choose_backend
+from qkv.backends.fused import fused_attention
+from qkv.backends.reference import reference_attention
+from qkv.masks import Causal, Dense, StructuredMask, causal_mask, combine
+
+Backend = Literal["auto", "reference", "fused", "blockwise"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise")
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "attention",
+    "explain_backend",
+    "scaled_dot_product_attention",
+    "validate_mask",
+    "validate_qkv",
+]
+
+
+def _shape(x: Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def validate_qkv(query: object, key: object, value: object, *, allow_gqa: bool) -> None:
+    """Check Q/K/V for :func:`attention`; raise a clear error on the first problem.
+
+    Args:
+        query: expected ``[B, H, T, Dh]``.
+        key: expected ``[B, Hkv, S, Dh]``.
+        value: expected ``[B, Hkv, S, Dv]``.
+        allow_gqa: accept ``Hkv`` dividing ``H``; otherwise ``Hkv`` must equal ``H``.
+
+    Raises:
+        TypeError: not tensors, not floating point, dtypes differ.
+        ValueError: not 4-D, zero-sized, devices differ, batch/head/width/length mismatch.
+    """
+    names = ("query", "key", "value")
+    tensors = (query, key, value)
+    for name, t in zip(names, tensors, strict=True):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    q, k, v = tensors
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    layouts = ("[B, H, T, Dh]", "[B, H, S, Dh]", "[B, H, S, Dv]")
+    for name, t, layout in zip(names, (q, k, v), layouts, strict=True):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {_shape(t)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} has a zero-sized dimension: shape {_shape(t)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    B, H, _, Dh = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(
+            f"batch sizes differ: query B={B}, key B={k.shape[0]}, value B={v.shape[0]}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"key has {k.shape[1]} heads but value has {v.shape[1]}")
+    Hkv = k.shape[1]
+    if allow_gqa:
+        if H % Hkv != 0:
+            raise ValueError(
+                f"query heads H={H} must be a multiple of key/value heads Hkv={Hkv} "
+                "(grouped-query attention)"
+            )
+    elif Hkv != H:
+        raise ValueError(f"head counts differ: query H={H}, key/value H={Hkv}")
+    if k.shape[3] != Dh:
+        raise ValueError(
+            f"query and key widths differ: query Dh={Dh}, key Dh={k.shape[3]} "
+            f"(shapes {_shape(q)} and {_shape(k)})"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"key and value lengths differ: key S={k.shape[2]}, value S={v.shape[2]}")
+
+
+def validate_mask(mask: object, B: int, H: int, T: int, S: int, device: torch.device) -> Tensor:
+    """Check a qkv mask against ``[B, H, T, S]``; return it unchanged if it is sound.
+
+    Masks of fewer than 4 dimensions broadcast from the right, which silently turns a
+    ``[B, S]`` key-padding mask into a ``[T, S]`` one when ``B == T``. So: a 1-D mask must be
+    ``[S]``; a 2-D mask must be ``[T, S]`` (or ``[1, S]``) and is refused as ambiguous when
+    ``B == T > 1``; a 3-D mask must have a leading 1. Use 4-D masks (every builder in
+    :mod:`qkv.masks` returns one) to say exactly what is meant.
+
+    Raises:
+        TypeError: the mask is not a bool tensor.
+        ValueError: another device, not broadcastable, or one of the ambiguous shapes above.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must be bool (True = blocked), got {mask.dtype}; convert float or int masks "
+            "with qkv.masks.from_additive / from_hf / from_sdpa_bool"
+        )
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but query is on {device}")
+    shape = _shape(mask)
+    pad_hint = "use qkv.masks.padding_mask(lengths or is_pad [B, S]) to get [B, 1, 1, S]"
+    if mask.dim() == 2:
+        # A [1, S] mask reads the same as [B, S] and as [T, S]: nothing to refuse.
+        if shape[0] == B != 1 and shape[0] != T and shape[1] == S:
+            raise ValueError(
+                f"mask of shape {shape} looks like a key-padding mask [B, S]; broadcasting would "
+                f"read it as [T, S]. {pad_hint}"
+            )
+        if B == T > 1 and shape[0] == T:
+            raise ValueError(
+                f"2-D mask {shape} is ambiguous when B == T == {T}: it could be a [B, S] "
+                f"key-padding mask. Pass mask[None, None] for a [T, S] mask, or {pad_hint}"
+            )
+    elif mask.dim() == 3 and shape[0] != 1:
+        raise ValueError(
+            f"3-D mask {shape} is ambiguous ([B, T, S] or [H, T, S]); make it 4-D, e.g. "
+            "mask[:, None] for [B, 1, T, S]"
+        )
+    elif mask.dim() > 4 or mask.dim() == 0:
+        raise ValueError(f"mask must have 1 to 4 dims broadcastable to [B, H, T, S], got {shape}")
+    try:
+        full = torch.broadcast_shapes(shape, (B, H, T, S))
+    except RuntimeError:
+        full = None
+    if full != (B, H, T, S):
+        raise ValueError(
+            f"mask of shape {shape} is not broadcastable to [B, H, T, S] = {[B, H, T, S]}"
+        )
+    return mask
+
+
+def _check_dropout(dropout_p: object) -> float:
+    if not isinstance(dropout_p, int | float) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) <= 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p}")
+    return float(dropout_p)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    blocked_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q Kᵀ / √Dh, blocked keys removed) V, returning the weights too.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, H, S, Dh]``.
+        value: ``[B, H, S, Dv]``.
+        blocked_mask: bool, broadcastable to ``[B, H, T, S]``, True = this key may NOT be
+            attended. Applied before the softmax.
+        dropout_p: dropout on the weights after the softmax, in ``[0, 1]``.
+        training: apply dropout only when True.
+
+    Returns:
+        ``(output [B, H, T, Dv], weights [B, H, T, S])`` in the input dtype. Weights are those
+        multiplied with V; rows with every key blocked are 0 in both.
+
+    Raises:
+        TypeError: non-tensors, non-floating inputs, mismatched dtypes, a non-bool mask.
+        ValueError: wrong ranks, zero-sized dims, mismatched devices or dims, a mask that is on
+            another device or does not broadcast, a bare ``[B, S]`` padding mask, a bad dropout_p.
+    """
+    validate_qkv(query, key, value, allow_gqa=False)
+    p = _check_dropout(dropout_p)
+    B, H, T, Dh = query.shape
+    S = key.shape[2]
+    if blocked_mask is not None:
+        validate_mask(blocked_mask, B, H, T, S, query.device)
+    return reference_attention(
+        query, key, value, blocked_mask, None, 1.0 / math.sqrt(Dh), p, training
+    )
+
+
+def _check_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | StructuredMask | None,
+    bias: Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    backend: str,
+) -> tuple[float, float]:
+    """Validate an :func:`attention` call; return ``(scale, dropout_p)``."""
+    validate_qkv(query, key, value, allow_gqa=True)
+    p = _check_dropout(dropout_p)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    B, H, T, Dh = query.shape
+    S = key.shape[2]
+    if isinstance(mask, StructuredMask):
+        mask.validate(B, H, T, S, query.device)
+    elif mask is not None:
+        validate_mask(mask, B, H, T, S, query.device)
+    if bias is not None:
+        if not isinstance(bias, Tensor) or not bias.is_floating_point():
+            raise TypeError("bias must be a floating-point tensor broadcastable to [B, H, T, S]")
+        try:
+            ok = torch.broadcast_shapes(bias.shape, (B, H, T, S)) == (B, H, T, S)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"bias of shape {_shape(bias)} is not broadcastable to {[B, H, T, S]}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(Dh)
+    elif not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    return scale, p
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | StructuredMask | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    backend: Backend = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention with keyword options: the entry point the modules use.
+
+    Every backend computes the same thing (fully masked rows give 0 with finite gradients,
+    float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right ``is_causal``, dropout,
+    ``bias``); they differ in speed, memory and whether they return weights.
+    :func:`explain_backend` says which one a call gets and why.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, Hkv, S, Dh]``; ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
+        value: ``[B, Hkv, S, Dv]``.
+        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked (see :mod:`qkv.masks`), or a
+            structured mask from :mod:`qkv.masks` (``Causal``, ``SlidingWindow``,
+            ``Padding``, ``Documents``, ``MaskMod`` and their ``|``), which the blockwise backend
+            uses without materializing it.
+        bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
+        is_causal: also block future keys, **bottom-right aligned**: query ``i`` sits at absolute
+            position ``i + S - T``, which is what a KV cache needs and equals PyTorch's
+            top-left ``is_causal`` when ``T == S``. For top-left with ``T != S`` pass
+            ``mask=qkv.masks.causal_mask(T, S)`` or ``Causal(align="top_left")``.
+        scale: score multiplier; default ``1 / sqrt(Dh)``.
+        need_weights: also return the ``[B, H, T, S]`` weights (reference backend).
+        dropout_p: dropout on the weights, used only when ``training``.
+        training: apply dropout.
+        backend: ``"auto"`` (see :mod:`qkv.backends.dispatch`), ``"reference"`` (explicit,
+            returns weights), ``"fused"`` (PyTorch SDPA) or ``"blockwise"`` (online softmax,
+            skips fully masked tiles).
+        block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
+            sliding window's width (see :func:`qkv.backends.blockwise.default_blocks`).
+        block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.
+
+    Returns:
+        ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`scaled_dot_product_attention`, plus a bias that does
+            not broadcast, an unknown backend, a non-positive scale, a structured mask that does
+            not fit, ``need_weights`` with the fused or blockwise backend.
+    """
+    scale, p = _check_call(query, key, value, mask, bias, scale, dropout_p, backend)
+    choice = choose_backend(
+        backend, query, key, mask=mask, bias=bias, is_causal=is_causal, need_weights=need_weights
+    )
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    if choice.backend == "blockwise":
+        structured: StructuredMask | None
+        if isinstance(mask, Tensor):
+            structured = Dense(mask.reshape((1,) * (4 - mask.dim()) + _shape(mask)))
+        else:
+            structured = mask
+        if is_causal:
+            structured = Causal() if structured is None else Causal() | structured
+        out = blockwise_attention(
+            query,
+            key,
+            value,
+            structured,
+            bias,
+            scale,
+            p,
+            training,
+            block_q=block_q,
+            block_k=block_k,
+        )
+        return out, None
+    if isinstance(mask, StructuredMask):
+        mask = mask.materialize(B, H, T, S, query.device)  # [B|1, H|1, T, S]
+    if choice.backend == "fused":
+        return fused_attention(query, key, value, mask, bias, scale, p, training, is_causal), None
+    if is_causal:
+        mask = combine(mask, causal_mask(T, S, align="bottom_right", device=query.device))
+    out, weights = reference_attention(query, key, value, mask, bias, scale, p, training)
+    return out, (weights if need_weights else None)
+
+
+def explain_backend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    mask: Tensor | StructuredMask | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    need_weights: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    backend: Backend = "auto",
+) -> str:
+    """Say in one sentence which backend :func:`attention` would use for these arguments and why.
+
+    Takes the same arguments as :func:`attention` and runs the same checks, but computes nothing.
+    If the requested backend cannot serve the call, the sentence says so (``attention`` raises).
+
+    Returns:
+        e.g. ``"blockwise: Causal(align='bottom_right'): 28 of 64 tiles (44%) fully masked, and
+        blockwise skips them"``.
+
+    Raises:
+        TypeError / ValueError: the input errors of :func:`attention`.
+    """
+    _check_call(query, key, value, mask, bias, scale, dropout_p, backend)
+    try:
+        choice: BackendChoice = choose_backend(
+            backend,
+            query,
+            key,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            need_weights=need_weights,
+        )
+    except ValueError as err:
+        return f"no backend: {err} (attention() raises ValueError)"
+    return f"{choice.backend}: {choice.reason}"

@@ -1,0 +1,251 @@
+"""The encoder–decoder Transformer (Vaswani et al. 2017): embeddings, positions, encoder and
+decoder stacks, output head; ``encode`` / ``decode`` / ``forward`` / ``generate``.
+
+Shapes: B batch, S source length, T target length, D model width, V target vocabulary.
+Padding masks at this level are bool ``[B, L]`` with True = padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from qkv.masks import padding_mask
+from qkv.models.config import TransformerConfig, layer_kwargs
+from qkv.nn.kv_cache import KVCache
+from qkv.nn.layers import DecoderLayer, EncoderLayer, make_norm
+from qkv.nn.positions import make_positional, position_inputs
+from qkv.nn.stacks import Decoder, Encoder
+
+__all__ = ["Transformer", "check_ids", "key_padding"]
+
+
+def check_ids(name: str, ids: object, vocab: int) -> Tensor:
+    """Check a ``[B, L]`` integer token tensor.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: not 2-D, empty, or ids outside ``[0, vocab)``.
+    """
+    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
+        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer tensor of token ids, got {got}")
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise ValueError(f"{name} must be [B, L] with B, L >= 1, got {tuple(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"{name} holds ids in [{lo}, {hi}], outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def key_padding(is_pad: Tensor | None, ids: Tensor, name: str) -> Tensor | None:
+    """A ``[B, L]`` True = padding mask, checked against ``ids``; None when nothing is padding.
+
+    Returning None when no position is padding keeps the mask out of the attention entirely.
+
+    Raises:
+        TypeError / ValueError: not bool, or not the shape of ``ids``.
+    """
+    if is_pad is None:
+        return None
+    if not isinstance(is_pad, Tensor) or is_pad.dtype != torch.bool:
+        got = is_pad.dtype if isinstance(is_pad, Tensor) else type(is_pad).__name__
+        raise TypeError(f"{name} must be a bool tensor (True = padding), got {got}")
+    if is_pad.shape != ids.shape:
+        raise ValueError(
+            f"{name} must have the token shape {tuple(ids.shape)}, got {tuple(is_pad.shape)}"
+        )
+    return is_pad if bool(is_pad.any()) else None
+
+
+class Transformer(nn.Module):
+    """Encoder–decoder Transformer for sequence-to-sequence tasks.
+
+    Embeddings are scaled by ``sqrt(d_model)`` (as in the paper); both stacks end with a norm,
+    like ``nn.Transformer``, so its weights load one to one. Weights are initialised with
+    Xavier-uniform, as ``nn.Transformer`` does.
+
+    Args:
+        config: the architecture.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`TransformerConfig`.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        c = config
+        self.config = c
+        D = c.d_model
+        self.embed_scale = math.sqrt(D)
+        self.src_embed = nn.Embedding(c.src_vocab_size, D)
+        self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
+        self.positional = make_positional(c.positional, D, c.num_heads, c.max_len)
+        self.embed_dropout = nn.Dropout(c.dropout)
+        layer_kw = layer_kwargs(c)
+        self.encoder = Encoder(
+            [EncoderLayer(**layer_kw) for _ in range(c.num_encoder_layers)],
+            make_norm(c.norm, D, c.layer_norm_eps),  # type: ignore[arg-type]
+        )
+        self.decoder = Decoder(
+            [DecoderLayer(**layer_kw) for _ in range(c.num_decoder_layers)],
+            make_norm(c.norm, D, c.layer_norm_eps),  # type: ignore[arg-type]
+        )
+        self.lm_head = nn.Linear(D, c.tgt_vocab_size, bias=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tgt_embed.weight
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for the decoder (default capacity ``config.max_len``)."""
+        return KVCache(self.config.num_decoder_layers, max_len or self.config.max_len)
+
+    def _src_is_pad(self, src: Tensor, src_padding_mask: Tensor | None) -> Tensor | None:
+        if src_padding_mask is None:
+            return key_padding(src == self.config.pad_id, src, "src_padding_mask")
+        return key_padding(src_padding_mask, src, "src_padding_mask")
+
+    def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
+        """Run the encoder.
+
+        Args:
+            src: source ids ``[B, S]``.
+            src_padding_mask: bool ``[B, S]``, True = padding; None: ``src == config.pad_id``.
+
+        Returns:
+            memory ``[B, S, D]``.
+
+        Raises:
+            TypeError / ValueError: bad ids or mask.
+        """
+        check_ids("src", src, self.config.src_vocab_size)
+        return self._encode(src, self._src_is_pad(src, src_padding_mask))
+
+    def _encode(self, src: Tensor, is_pad: Tensor | None) -> Tensor:
+        mask = None if is_pad is None else padding_mask(is_pad)  # [B, 1, 1, S]
+        x = self.src_embed(src) * self.embed_scale  # [B, S, D]
+        x, pos = position_inputs(self.positional, x, 0, causal=False)
+        x = self.embed_dropout(x)  # [B, S, D]
+        return self.encoder(x, mask, bias=pos.bias, rope=pos.rope)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_padding_mask: Tensor | None = None,
+        tgt_padding_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """Run the decoder and the head.
+
+        Args:
+            tgt: target ids ``[B, T]``; with a cache only the new tokens, whose positions
+                continue from ``cache.length``.
+            memory: encoder output ``[B, S, D]``.
+            src_padding_mask: bool ``[B, S]``, True = padding; None: no source padding (the
+                source ids are not at hand here; :meth:`forward` passes the derived mask).
+            tgt_padding_mask: bool ``[B, T]``, True = padding; None: ``tgt == config.pad_id``.
+            cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
+
+        Returns:
+            logits ``[B, T, V]``.
+
+        Raises:
+            TypeError / ValueError: bad ids, masks or memory shape.
+        """
+        c = self.config
+        check_ids("tgt", tgt, c.tgt_vocab_size)
+        if memory.dim() != 3 or memory.shape[0] != tgt.shape[0] or memory.shape[2] != c.d_model:
+            raise ValueError(
+                f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
+                f"got {tuple(memory.shape)}"
+            )
+        T = tgt.shape[1]
+        is_pad = key_padding(
+            tgt == c.pad_id if tgt_padding_mask is None else tgt_padding_mask,
+            tgt,
+            "tgt_padding_mask",
+        )
+        offset = 0
+        if cache is not None:
+            offset = cache.length
+            is_pad = cache.append_padding(is_pad, T)  # [B, S_cached + T] or None
+        self_mask = None if is_pad is None else padding_mask(is_pad)  # [B, 1, 1, S_t]
+        src_pad = None
+        if src_padding_mask is not None:
+            if src_padding_mask.shape != memory.shape[:2]:
+                raise ValueError(
+                    f"src_padding_mask must be [B, S] = {list(memory.shape[:2])}, "
+                    f"got {tuple(src_padding_mask.shape)}"
+                )
+            src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask")
+        memory_mask = None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
+        x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
+        x, pos = position_inputs(self.positional, x, offset, causal=True)
+        x = self.embed_dropout(x)  # [B, T, D]
+        h = self.decoder(
+            x, memory, self_mask, memory_mask, self_bias=pos.bias, rope=pos.rope, kv_cache=cache
+        )  # [B, T, D]
+        return self.lm_head(h)  # [B, T, V]
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_padding_mask: Tensor | None = None,
+        tgt_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Teacher-forced logits: ``decode(tgt, encode(src))``.
+
+        Args:
+            src: ``[B, S]`` ids.
+            tgt: ``[B, T]`` ids (starting with ``bos_id``).
+            src_padding_mask: bool ``[B, S]``, True = padding; None: derived from ``pad_id``.
+            tgt_padding_mask: bool ``[B, T]``, True = padding; None: derived from ``pad_id``.
+
+        Returns:
+            logits ``[B, T, V]``.
+        """
+        check_ids("src", src, self.config.src_vocab_size)
+        is_pad = self._src_is_pad(src, src_padding_mask)
+        memory = self._encode(src, is_pad)  # [B, S, D]
+        return self.decode(tgt, memory, is_pad, tgt_padding_mask)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        src: Tensor,
+        max_new_tokens: int,
+        *,
+        src_padding_mask: Tensor | None = None,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
+    ) -> Tensor:
+        """Decode target sequences with the KV cache: greedy (``beam_size=1``) or beam search.
+
+        Args:
+            src: ``[B, S]`` ids.
+            max_new_tokens: the most tokens generated after ``bos_id``.
+            src_padding_mask: bool ``[B, S]``, True = padding; None: derived from ``pad_id``.
+            beam_size: beams per source; 1 is greedy.
+            length_penalty: beam search ranks finished hypotheses by
+                ``sum log p / length ** length_penalty``.
+
+        Returns:
+            long ``[B, L]``, ``L <= 1 + max_new_tokens``: ``bos_id``, the tokens, ``eos_id`` (kept)
+            when produced; rows that finished early are right-padded with ``pad_id``.
+
+        Raises:
+            ValueError: ``max_new_tokens`` < 1 or beyond ``max_len - 1``, ``beam_size`` < 1.
+        """
+        from qkv.models.generate import beam_search, greedy_encoder_decoder
+
+        if beam_size == 1:
+            return greedy_encoder_decoder(self, src, max_new_tokens, src_padding_mask)
+        return beam_search(self, src, max_new_tokens, src_padding_mask, beam_size, length_penalty)

@@ -1,0 +1,18 @@
+"""Building blocks above the attention function: they project, reshape and call it."""
+
+from qkv.nn.feed_forward import FeedForward
+from qkv.nn.kv_cache import KVCache
+from qkv.nn.layers import DecoderLayer, EncoderLayer
+from qkv.nn.multihead import MultiHeadAttention
+from qkv.nn.stacks import Decoder, Encoder, EncoderDecoder
+
+__all__ = [
+    "Decoder",
+    "DecoderLayer",
+    "Encoder",
+    "EncoderDecoder",
+    "EncoderLayer",
+    "FeedForward",
+    "KVCache",
+    "MultiHeadAttention",
+]

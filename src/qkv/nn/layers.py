@@ -1,0 +1,237 @@
+"""Encoder and decoder layers: attention and feed-forward blocks, each wrapped in a residual
+connection with normalization before (``norm_first=True``, pre-norm) or after (post-norm, the
+original Transformer and ``nn.Transformer``'s default) the sublayer.
+
+Shapes: B batch, T target length, S source length, D model width, H heads.
+Masks are in qkv's convention (bool, True = blocked, broadcastable to ``[B, H, T, S]``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from qkv.nn.feed_forward import Activation, FeedForward
+from qkv.nn.multihead import MultiHeadAttention
+
+if TYPE_CHECKING:
+    from qkv.nn.kv_cache import KVCache
+
+NormKind = Literal["layer", "rms"]
+
+__all__ = ["DecoderLayer", "EncoderLayer", "NormKind", "make_norm"]
+
+
+def make_norm(
+    kind: NormKind,
+    d_model: int,
+    eps: float,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """``nn.LayerNorm`` (``"layer"``) or ``nn.RMSNorm`` (``"rms"``) over the last dim.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind == "layer":
+        return nn.LayerNorm(d_model, eps=eps, device=device, dtype=dtype)
+    if kind == "rms":
+        return nn.RMSNorm(d_model, eps=eps, device=device, dtype=dtype)
+    raise ValueError(f"norm must be 'layer' or 'rms', got {kind!r}")
+
+
+class EncoderLayer(nn.Module):
+    """Bidirectional self-attention then feed-forward, each with residual + norm.
+
+    Post-norm: ``x = norm1(x + drop(attn(x))); x = norm2(x + drop(ffn(x)))``.
+    Pre-norm: ``x = x + drop(attn(norm1(x))); x = x + drop(ffn(norm2(x)))``.
+
+    Args:
+        d_model: D.
+        num_heads: H.
+        dim_feedforward: inner width of the feed-forward block.
+        dropout: dropout on attention weights, the FFN activation and each residual branch.
+        activation: ``"relu"``, ``"gelu"`` or ``"swiglu"``.
+        norm_first: pre-norm (True) or post-norm (False).
+        layer_norm_eps: eps of the norms.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
+        num_kv_heads: key/value heads for grouped-query attention (default H).
+        bias: biases in the linear layers.
+        device: parameter device.
+        dtype: parameter dtype.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: Activation = "relu",
+        *,
+        norm_first: bool = False,
+        layer_norm_eps: float = 1e-5,
+        norm: NormKind = "layer",
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(
+            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
+        )
+        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=bias, **factory)
+        self.norm1 = make_norm(norm, d_model, layer_norm_eps, **factory)
+        self.norm2 = make_norm(norm, d_model, layer_norm_eps, **factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def _attn_block(
+        self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
+    ) -> Tensor:
+        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
+        return self.dropout1(out)  # [B, T, D]
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        *,
+        is_causal: bool = False,
+        bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        layer_idx: int = 0,
+    ) -> Tensor:
+        """Args:
+            x: ``[B, T, D]``.
+            mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (e.g. key padding);
+                ``S = T`` without a cache, cached + new tokens with one.
+            is_causal: also block future positions (bottom-right aligned, right with a cache).
+            bias: float score bias ``[*, H, T, S]`` (ALiBi).
+            rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for these positions.
+            kv_cache: decode incrementally: keys/values of earlier tokens come from the cache.
+            layer_idx: this layer's slot in the cache.
+
+        Returns:
+            ``[B, T, D]``.
+        """
+        extra: dict[str, Any] = {
+            "bias": bias,
+            "rope": rope,
+            "kv_cache": kv_cache,
+            "layer_idx": layer_idx,
+        }
+        if self.norm_first:
+            x = x + self._attn_block(self.norm1(x), mask, is_causal, extra)  # [B, T, D]
+            x = x + self.dropout2(self.ffn(self.norm2(x)))  # [B, T, D]
+        else:
+            x = self.norm1(x + self._attn_block(x, mask, is_causal, extra))  # [B, T, D]
+            x = self.norm2(x + self.dropout2(self.ffn(x)))  # [B, T, D]
+        return x
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention to the encoder output, feed-forward.
+
+    Args: as :class:`EncoderLayer`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: Activation = "relu",
+        *,
+        norm_first: bool = False,
+        layer_norm_eps: float = 1e-5,
+        norm: NormKind = "layer",
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(
+            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
+        )
+        self.cross_attn = MultiHeadAttention(
+            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
+        )
+        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=bias, **factory)
+        self.norm1 = make_norm(norm, d_model, layer_norm_eps, **factory)
+        self.norm2 = make_norm(norm, d_model, layer_norm_eps, **factory)
+        self.norm3 = make_norm(norm, d_model, layer_norm_eps, **factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.dropout3 = nn.Dropout(dropout)
+
+    def _self_block(
+        self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
+    ) -> Tensor:
+        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
+        return self.dropout1(out)  # [B, T, D]
+
+    def _cross_block(
+        self, x: Tensor, memory: Tensor, mask: Tensor | None, extra: dict[str, Any]
+    ) -> Tensor:
+        out, _ = self.cross_attn(x, memory, memory, need_weights=False, mask=mask, **extra)
+        return self.dropout2(out)  # [B, T, D]
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        self_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        *,
+        is_causal: bool = True,
+        self_bias: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
+        layer_idx: int = 0,
+    ) -> Tensor:
+        """Args:
+            x: target ``[B, T, D]``.
+            memory: encoder output ``[B, S, D]``.
+            self_mask: bool, True = blocked, broadcastable to ``[B, H, T, T]`` (target padding;
+                with a cache the last dim counts cached + new tokens).
+            memory_mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (source padding).
+            is_causal: block future target positions (default True; bottom-right aligned).
+            self_bias: float score bias for the self-attention (ALiBi).
+            rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for the target positions (self-attention
+                only).
+            kv_cache: decode incrementally: self-attention keys/values are appended, the
+                cross-attention ones computed once.
+            layer_idx: this layer's slot in the cache.
+
+        Returns:
+            ``[B, T, D]``.
+        """
+        sa: dict[str, Any] = {
+            "bias": self_bias,
+            "rope": rope,
+            "kv_cache": kv_cache,
+            "layer_idx": layer_idx,
+        }
+        ca: dict[str, Any] = {"kv_cache": kv_cache, "layer_idx": layer_idx, "cross": True}
+        if self.norm_first:
+            x = x + self._self_block(self.norm1(x), self_mask, is_causal, sa)  # [B, T, D]
+            x = x + self._cross_block(self.norm2(x), memory, memory_mask, ca)  # [B, T, D]
+            x = x + self.dropout3(self.ffn(self.norm3(x)))  # [B, T, D]
+        else:
+            x = self.norm1(x + self._self_block(x, self_mask, is_causal, sa))  # [B, T, D]
+            x = self.norm2(x + self._cross_block(x, memory, memory_mask, ca))  # [B, T, D]
+            x = self.norm3(x + self.dropout3(self.ffn(x)))  # [B, T, D]
+        return x

@@ -1,0 +1,73 @@
+"""How a model turns its ``positional`` setting into inputs for its layers.
+
+Absolute encodings (sinusoidal, learned) are added to the embeddings; rotary tables and ALiBi
+biases are handed to every self-attention layer. One helper serves both models.
+
+Shapes: B batch, T new tokens, S keys (cached + new), D model width, H heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from qkv.nn.positional import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+)
+
+__all__ = ["LayerPositions", "make_positional", "position_inputs"]
+
+
+@dataclass
+class LayerPositions:
+    """What the self-attention layers need: rotary ``(cos, sin)`` and/or an ALiBi bias."""
+
+    rope: tuple[Tensor, Tensor] | None = None
+    bias: Tensor | None = None
+
+
+def make_positional(kind: str, d_model: int, num_heads: int, max_len: int) -> nn.Module | None:
+    """The module for ``positional=kind``, or None for ``"none"``.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind == "sinusoidal":
+        return SinusoidalPositionalEncoding(d_model, max_len)
+    if kind == "learned":
+        return LearnedPositionalEmbedding(d_model, max_len)
+    if kind == "rotary":
+        return RotaryEmbedding(d_model // num_heads, max_len)
+    if kind == "alibi":
+        return ALiBi(num_heads)
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown positional kind {kind!r}")
+
+
+def position_inputs(
+    positional: nn.Module | None, x: Tensor, offset: int, *, causal: bool
+) -> tuple[Tensor, LayerPositions]:
+    """Add absolute positions to ``x`` or build the per-layer inputs.
+
+    Args:
+        positional: from :func:`make_positional`.
+        x: embeddings ``[B, T, D]`` of tokens at positions ``offset .. offset + T - 1``.
+        offset: tokens already in the KV cache (0 without one).
+        causal: the self-attention is causal (changes the ALiBi bias).
+
+    Returns:
+        ``(x [B, T, D], LayerPositions)``.
+    """
+    T = x.shape[1]
+    if isinstance(positional, SinusoidalPositionalEncoding | LearnedPositionalEmbedding):
+        return positional(x, offset), LayerPositions()
+    if isinstance(positional, RotaryEmbedding):
+        return x, LayerPositions(rope=positional(T, offset))
+    if isinstance(positional, ALiBi):
+        return x, LayerPositions(bias=positional(T, offset + T, causal=causal))  # [1, H, T, S]
+    return x, LayerPositions()
