@@ -210,7 +210,7 @@ def _check_call(
     key: Tensor,
     value: Tensor,
     mask: Tensor | StructuredMask | None,
-    bias: Tensor | None,
+    attn_bias: Tensor | None,
     scale: float | None,
     dropout_p: float,
     backend: str,
@@ -226,15 +226,19 @@ def _check_call(
         mask.validate(B, H, T, S, query.device)
     elif mask is not None:
         validate_mask(mask, B, H, T, S, query.device)
-    if bias is not None:
-        if not isinstance(bias, Tensor) or not bias.is_floating_point():
-            raise TypeError("bias must be a floating-point tensor broadcastable to [B, H, T, S]")
+    if attn_bias is not None:
+        if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
+            raise TypeError(
+                "attn_bias must be a floating-point tensor broadcastable to [B, H, T, S]"
+            )
         try:
-            ok = torch.broadcast_shapes(bias.shape, (B, H, T, S)) == (B, H, T, S)
+            ok = torch.broadcast_shapes(attn_bias.shape, (B, H, T, S)) == (B, H, T, S)
         except RuntimeError:
             ok = False
         if not ok:
-            raise ValueError(f"bias of shape {_shape(bias)} is not broadcastable to {[B, H, T, S]}")
+            raise ValueError(
+                f"attn_bias of shape {_shape(attn_bias)} is not broadcastable to {[B, H, T, S]}"
+            )
     if scale is None:
         scale = 1.0 / math.sqrt(Dh)
     elif not scale > 0:
@@ -248,7 +252,7 @@ def attention(
     value: Tensor,
     *,
     mask: Tensor | StructuredMask | None = None,
-    bias: Tensor | None = None,
+    attn_bias: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     need_weights: bool = False,
@@ -262,7 +266,7 @@ def attention(
 
     Every backend computes the same thing (fully masked rows give 0 with finite gradients,
     float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right ``is_causal``, dropout,
-    ``bias``); they differ in speed, memory and whether they return weights.
+    ``attn_bias``); they differ in speed, memory and whether they return weights.
     :func:`explain_backend` says which one a call gets and why.
 
     Args:
@@ -273,7 +277,7 @@ def attention(
             structured mask from :mod:`qkv.masks` (``Causal``, ``SlidingWindow``,
             ``Padding``, ``Documents``, ``MaskMod`` and their ``|``), which the blockwise backend
             uses without materializing it.
-        bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
+        attn_bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
         is_causal: also block future keys, **bottom-right aligned**: query ``i`` sits at absolute
             position ``i + S - T``, which is what a KV cache needs and equals PyTorch's
             top-left ``is_causal`` when ``T == S``. For top-left with ``T != S`` pass
@@ -293,13 +297,19 @@ def attention(
         ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
 
     Raises:
-        TypeError / ValueError: as :func:`scaled_dot_product_attention`, plus a bias that does
+        TypeError / ValueError: as :func:`scaled_dot_product_attention`, plus a attn_bias that does
             not broadcast, an unknown backend, a non-positive scale, a structured mask that does
             not fit, ``need_weights`` with the fused or blockwise backend.
     """
-    scale, p = _check_call(query, key, value, mask, bias, scale, dropout_p, backend)
+    scale, p = _check_call(query, key, value, mask, attn_bias, scale, dropout_p, backend)
     choice = choose_backend(
-        backend, query, key, mask=mask, bias=bias, is_causal=is_causal, need_weights=need_weights
+        backend,
+        query,
+        key,
+        mask=mask,
+        attn_bias=attn_bias,
+        is_causal=is_causal,
+        need_weights=need_weights,
     )
     B, H, T, _ = query.shape
     S = key.shape[2]
@@ -316,7 +326,7 @@ def attention(
             key,
             value,
             structured,
-            bias,
+            attn_bias,
             scale,
             p,
             training,
@@ -327,10 +337,12 @@ def attention(
     if isinstance(mask, StructuredMask):
         mask = mask.materialize(B, H, T, S, query.device)  # [B|1, H|1, T, S]
     if choice.backend == "fused":
-        return fused_attention(query, key, value, mask, bias, scale, p, training, is_causal), None
+        return fused_attention(
+            query, key, value, mask, attn_bias, scale, p, training, is_causal
+        ), None
     if is_causal:
         mask = combine(mask, causal_mask(T, S, align="bottom_right", device=query.device))
-    out, weights = reference_attention(query, key, value, mask, bias, scale, p, training)
+    out, weights = reference_attention(query, key, value, mask, attn_bias, scale, p, training)
     return out, (weights if need_weights else None)
 
 
@@ -340,7 +352,7 @@ def explain_backend(
     value: Tensor,
     *,
     mask: Tensor | StructuredMask | None = None,
-    bias: Tensor | None = None,
+    attn_bias: Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
     need_weights: bool = False,
@@ -360,14 +372,14 @@ def explain_backend(
     Raises:
         TypeError / ValueError: the input errors of :func:`attention`.
     """
-    _check_call(query, key, value, mask, bias, scale, dropout_p, backend)
+    _check_call(query, key, value, mask, attn_bias, scale, dropout_p, backend)
     try:
         choice: BackendChoice = choose_backend(
             backend,
             query,
             key,
             mask=mask,
-            bias=bias,
+            attn_bias=attn_bias,
             is_causal=is_causal,
             need_weights=need_weights,
         )

@@ -115,7 +115,7 @@ def test_fully_masked_rows_are_zero_with_finite_gradients(backend: str) -> None:
 def test_bias_and_its_gradient(backend: str, bias_shape: tuple[int, ...]) -> None:
     qkv_in = _inputs(torch.float64)
     bias = torch.randn(bias_shape, dtype=torch.float64, requires_grad=True)
-    kw: dict[str, object] = {"bias": bias, "mask": Causal(), "block_q": 2, "block_k": 5}
+    kw: dict[str, object] = {"attn_bias": bias, "mask": Causal(), "block_q": 2, "block_k": 5}
     out, _ = qkv.attention(*qkv_in, backend=backend, **kw)  # type: ignore[arg-type]
     (g_bias,) = torch.autograd.grad(out.square().sum(), bias)
     ref, _ = qkv.attention(*qkv_in, backend="reference", **kw)  # type: ignore[arg-type]

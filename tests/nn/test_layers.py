@@ -91,11 +91,14 @@ def test_bias_passes_through_and_acts_like_a_soft_mask() -> None:
     layer = EncoderLayer(8, 2, 16, 0.0).eval()
     x = torch.randn(1, 4, 8)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x, bias=torch.zeros(1, 2, 4, 4)), layer(x))
+        torch.testing.assert_close(layer(x, attn_bias=torch.zeros(1, 2, 4, 4)), layer(x))
         huge = torch.zeros(1, 2, 4, 4)
         huge[..., 3] = -1e9
         torch.testing.assert_close(
-            layer(x, bias=huge), layer(x, padding_mask(torch.tensor([3]), 4)), atol=ATOL, rtol=RTOL
+            layer(x, attn_bias=huge),
+            layer(x, padding_mask(torch.tensor([3]), 4)),
+            atol=ATOL,
+            rtol=RTOL,
         )
 
 

@@ -93,7 +93,7 @@ def choose_backend(
     key: Tensor,
     *,
     mask: Tensor | StructuredMask | None,
-    bias: Tensor | None,
+    attn_bias: Tensor | None,
     is_causal: bool,
     need_weights: bool,
 ) -> BackendChoice:
@@ -104,7 +104,7 @@ def choose_backend(
         query: ``[B, H, T, Dh]``.
         key: ``[B, Hkv, S, Dh]``.
         mask: the call's mask (bool tensor or structured), or None.
-        bias: the call's bias, or None.
+        attn_bias: the call's attn_bias, or None.
         is_causal: the call's ``is_causal``.
         need_weights: the call's ``need_weights``.
 
@@ -137,7 +137,7 @@ def choose_backend(
     if not sparse_kind:
         if isinstance(mask, Tensor):
             why = "an explicit mask tensor goes to SDPA as it is"
-        elif uses_sdpa_is_causal(T, S, mask, bias, is_causal):
+        elif uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal):
             why = "is_causal with T == S: SDPA's own causal kernel skips the upper triangle"
         else:
             why = "no structured mask"

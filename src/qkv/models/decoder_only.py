@@ -99,7 +99,13 @@ class DecoderOnlyLM(nn.Module):
         x = self.embed_dropout(x)  # [B, T, D]
         for i, layer in enumerate(self.layers):
             x = layer(
-                x, mask, is_causal=True, bias=pos.bias, rope=pos.rope, kv_cache=cache, layer_idx=i
+                x,
+                mask,
+                is_causal=True,
+                attn_bias=pos.attn_bias,
+                rope=pos.rope,
+                kv_cache=cache,
+                layer_idx=i,
             )  # [B, T, D]
         return self.lm_head(self.norm(x))  # [B, T, V]
 

@@ -132,7 +132,7 @@ class Transformer(nn.Module):
         x = self.src_embed(src) * self.embed_scale  # [B, S, D]
         x, pos = position_inputs(self.positional, x, 0, causal=False)
         x = self.embed_dropout(x)  # [B, S, D]
-        return self.encoder(x, mask, bias=pos.bias, rope=pos.rope)
+        return self.encoder(x, mask, attn_bias=pos.attn_bias, rope=pos.rope)
 
     def decode(
         self,
@@ -190,7 +190,13 @@ class Transformer(nn.Module):
         x, pos = position_inputs(self.positional, x, offset, causal=True)
         x = self.embed_dropout(x)  # [B, T, D]
         h = self.decoder(
-            x, memory, self_mask, memory_mask, self_bias=pos.bias, rope=pos.rope, kv_cache=cache
+            x,
+            memory,
+            self_mask,
+            memory_mask,
+            self_attn_bias=pos.attn_bias,
+            rope=pos.rope,
+            kv_cache=cache,
         )  # [B, T, D]
         return self.lm_head(h)  # [B, T, V]
 

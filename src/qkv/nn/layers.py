@@ -105,7 +105,7 @@ class EncoderLayer(nn.Module):
         mask: Tensor | None = None,
         *,
         is_causal: bool = False,
-        bias: Tensor | None = None,
+        attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
@@ -115,7 +115,7 @@ class EncoderLayer(nn.Module):
             mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (e.g. key padding);
                 ``S = T`` without a cache, cached + new tokens with one.
             is_causal: also block future positions (bottom-right aligned, right with a cache).
-            bias: float score bias ``[*, H, T, S]`` (ALiBi).
+            attn_bias: float score bias ``[*, H, T, S]`` (ALiBi).
             rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for these positions.
             kv_cache: decode incrementally: keys/values of earlier tokens come from the cache.
             layer_idx: this layer's slot in the cache.
@@ -124,7 +124,7 @@ class EncoderLayer(nn.Module):
             ``[B, T, D]``.
         """
         extra: dict[str, Any] = {
-            "bias": bias,
+            "attn_bias": attn_bias,
             "rope": rope,
             "kv_cache": kv_cache,
             "layer_idx": layer_idx,
@@ -197,7 +197,7 @@ class DecoderLayer(nn.Module):
         memory_mask: Tensor | None = None,
         *,
         is_causal: bool = True,
-        self_bias: Tensor | None = None,
+        self_attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
@@ -209,7 +209,7 @@ class DecoderLayer(nn.Module):
                 with a cache the last dim counts cached + new tokens).
             memory_mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (source padding).
             is_causal: block future target positions (default True; bottom-right aligned).
-            self_bias: float score bias for the self-attention (ALiBi).
+            self_attn_bias: float score bias for the self-attention (ALiBi).
             rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for the target positions (self-attention
                 only).
             kv_cache: decode incrementally: self-attention keys/values are appended, the
@@ -220,7 +220,7 @@ class DecoderLayer(nn.Module):
             ``[B, T, D]``.
         """
         sa: dict[str, Any] = {
-            "bias": self_bias,
+            "attn_bias": self_attn_bias,
             "rope": rope,
             "kv_cache": kv_cache,
             "layer_idx": layer_idx,

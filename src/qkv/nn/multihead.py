@@ -170,7 +170,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         *,
         mask: Tensor | StructuredMask | None = None,
-        bias: Tensor | None = None,
+        attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
@@ -192,7 +192,7 @@ class MultiHeadAttention(nn.Module):
             mask: a mask in qkv's convention (True = blocked, broadcastable to
                 ``[B, H, T, S]``) or a :mod:`qkv.masks` object, combined with the
                 two above.
-            bias: float score bias broadcastable to ``[B, H, T, S]`` (ALiBi).
+            attn_bias: float score bias broadcastable to ``[B, H, T, S]`` (ALiBi).
             rope: ``(cos, sin)``, each ``[T, Dh]``, for the query positions: rotate queries and
                 the new keys (self-attention only; see :mod:`qkv.nn.positional`).
             kv_cache: append the new keys/values to this cache (self-attention) or compute the
@@ -247,7 +247,7 @@ class MultiHeadAttention(nn.Module):
             k,
             v,
             mask=blocked,
-            bias=bias,
+            attn_bias=attn_bias,
             is_causal=is_causal,
             need_weights=want_weights,
             dropout_p=self.dropout,

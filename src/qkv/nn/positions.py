@@ -27,7 +27,7 @@ class LayerPositions:
     """What the self-attention layers need: rotary ``(cos, sin)`` and/or an ALiBi bias."""
 
     rope: tuple[Tensor, Tensor] | None = None
-    bias: Tensor | None = None
+    attn_bias: Tensor | None = None
 
 
 def make_positional(kind: str, d_model: int, num_heads: int, max_len: int) -> nn.Module | None:
@@ -69,5 +69,5 @@ def position_inputs(
     if isinstance(positional, RotaryEmbedding):
         return x, LayerPositions(rope=positional(T, offset))
     if isinstance(positional, ALiBi):
-        return x, LayerPositions(bias=positional(T, offset + T, causal=causal))  # [1, H, T, S]
+        return x, LayerPositions(attn_bias=positional(T, offset + T, causal=causal))  # [1, H, T, S]
     return x, LayerPositions()

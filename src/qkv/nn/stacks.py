@@ -42,14 +42,20 @@ class Encoder(nn.Module):
         mask: Tensor | None = None,
         *,
         is_causal: bool = False,
-        bias: Tensor | None = None,
+        attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
         """Args: as :meth:`EncoderLayer.forward`; x ``[B, T, D]``. Returns ``[B, T, D]``."""
         for i, layer in enumerate(self.layers):
             x = layer(
-                x, mask, is_causal=is_causal, bias=bias, rope=rope, kv_cache=kv_cache, layer_idx=i
+                x,
+                mask,
+                is_causal=is_causal,
+                attn_bias=attn_bias,
+                rope=rope,
+                kv_cache=kv_cache,
+                layer_idx=i,
             )  # [B, T, D]
         return x if self.norm is None else self.norm(x)
 
@@ -75,7 +81,7 @@ class Decoder(nn.Module):
         memory_mask: Tensor | None = None,
         *,
         is_causal: bool = True,
-        self_bias: Tensor | None = None,
+        self_attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
@@ -87,7 +93,7 @@ class Decoder(nn.Module):
                 self_mask,
                 memory_mask,
                 is_causal=is_causal,
-                self_bias=self_bias,
+                self_attn_bias=self_attn_bias,
                 rope=rope,
                 kv_cache=kv_cache,
                 layer_idx=i,
