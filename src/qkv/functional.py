@@ -13,8 +13,12 @@ float64, any enclosing autocast is disabled, and results come back in the input 
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Literal
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, ParamSpec, cast
 
 import torch
 from torch import Tensor
@@ -23,7 +27,8 @@ from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
 from qkv.backends.fused import fused_attention
 from qkv.backends.reference import reference_attention
-from qkv.masks import Causal, Dense, StructuredMask, causal_mask, combine
+from qkv.checks import check_positive_int, check_probability
+from qkv.masks import StructuredMask, causal_mask, combine
 
 Backend = Literal["auto", "reference", "fused", "blockwise"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise")
@@ -158,14 +163,6 @@ def validate_mask(mask: object, B: int, H: int, T: int, S: int, device: torch.de
     return mask
 
 
-def _check_dropout(dropout_p: object) -> float:
-    if not isinstance(dropout_p, int | float) or isinstance(dropout_p, bool):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) <= 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p}")
-    return float(dropout_p)
-
-
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -195,7 +192,7 @@ def scaled_dot_product_attention(
             another device or does not broadcast, a bare ``[B, S]`` padding mask, a bad dropout_p.
     """
     validate_qkv(query, key, value, allow_gqa=False)
-    p = _check_dropout(dropout_p)
+    p = check_probability("dropout_p", dropout_p)
     B, H, T, Dh = query.shape
     S = key.shape[2]
     if blocked_mask is not None:
@@ -205,21 +202,77 @@ def scaled_dot_product_attention(
     )
 
 
-def _check_call(
+def _check_attn_bias(attn_bias: object, B: int, H: int, T: int, S: int) -> None:
+    if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
+        got = attn_bias.dtype if isinstance(attn_bias, Tensor) else type(attn_bias).__name__
+        raise TypeError(
+            f"attn_bias must be a floating-point tensor broadcastable to [B, H, T, S], got {got}"
+        )
+    try:
+        ok = torch.broadcast_shapes(attn_bias.shape, (B, H, T, S)) == (B, H, T, S)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"attn_bias of shape {_shape(attn_bias)} is not broadcastable to {[B, H, T, S]}"
+        )
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One :func:`attention` call, validated, with its backend chosen (or the reason there is
+    none: ``choice`` None and ``refusal`` set)."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | StructuredMask | None
+    attn_bias: Tensor | None
+    is_causal: bool
+    scale: float
+    need_weights: bool
+    dropout_p: float
+    training: bool
+    choice: BackendChoice | None
+    refusal: str | None
+
+
+def _resolve(
     query: Tensor,
     key: Tensor,
     value: Tensor,
+    *,
     mask: Tensor | StructuredMask | None,
     attn_bias: Tensor | None,
+    is_causal: bool,
     scale: float | None,
+    need_weights: bool,
     dropout_p: float,
-    backend: str,
-) -> tuple[float, float]:
-    """Validate an :func:`attention` call; return ``(scale, dropout_p)``."""
+    training: bool,
+    backend: Backend,
+    block_q: int | None,
+    block_k: int | None,
+    bias: Tensor | None,
+) -> _Call:
+    """Validate the arguments of :func:`attention` and choose its backend: the one place both
+    :func:`attention` and :func:`explain_backend` resolve a call."""
+    if bias is not None:
+        if attn_bias is not None:
+            raise TypeError("got both attn_bias and its deprecated alias bias; pass attn_bias")
+        warnings.warn(
+            "bias= is deprecated, use attn_bias= (the score tensor added before the softmax)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        attn_bias = bias
     validate_qkv(query, key, value, allow_gqa=True)
-    p = _check_dropout(dropout_p)
+    p = check_probability("dropout_p", dropout_p)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if block_q is not None:
+        check_positive_int("block_q", block_q)
+    if block_k is not None:
+        check_positive_int("block_k", block_k)
     B, H, T, Dh = query.shape
     S = key.shape[2]
     if isinstance(mask, StructuredMask):
@@ -227,23 +280,86 @@ def _check_call(
     elif mask is not None:
         validate_mask(mask, B, H, T, S, query.device)
     if attn_bias is not None:
-        if not isinstance(attn_bias, Tensor) or not attn_bias.is_floating_point():
-            raise TypeError(
-                "attn_bias must be a floating-point tensor broadcastable to [B, H, T, S]"
-            )
-        try:
-            ok = torch.broadcast_shapes(attn_bias.shape, (B, H, T, S)) == (B, H, T, S)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"attn_bias of shape {_shape(attn_bias)} is not broadcastable to {[B, H, T, S]}"
-            )
+        _check_attn_bias(attn_bias, B, H, T, S)
     if scale is None:
         scale = 1.0 / math.sqrt(Dh)
     elif not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
-    return scale, p
+    choice: BackendChoice | None = None
+    refusal: str | None = None
+    try:
+        choice = choose_backend(
+            backend,
+            query,
+            key,
+            mask=mask,
+            attn_bias=attn_bias,
+            is_causal=is_causal,
+            need_weights=need_weights,
+            block_q=block_q,
+            block_k=block_k,
+        )
+    except ValueError as err:
+        refusal = str(err)
+    return _Call(
+        query,
+        key,
+        value,
+        mask,
+        attn_bias,
+        is_causal,
+        scale,
+        need_weights,
+        p,
+        training,
+        choice,
+        refusal,
+    )
+
+
+def _run(call: _Call, block_q: int | None, block_k: int | None) -> tuple[Tensor, Tensor | None]:
+    """Run a resolved call on its backend."""
+    if call.choice is None:
+        raise ValueError(call.refusal)
+    q, k, v, mask = call.query, call.key, call.value, call.mask
+    if call.choice.backend == "blockwise":
+        out = blockwise_attention(
+            q,
+            k,
+            v,
+            call.choice.mask,
+            call.attn_bias,
+            call.scale,
+            call.dropout_p,
+            call.training,
+            block_q=block_q,
+            block_k=block_k,
+            plan=call.choice.plan,
+        )
+        return out, None
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if isinstance(mask, StructuredMask):
+        mask = mask.materialize(B, H, T, S, q.device)  # [B|1, H|1, T|1, S]
+    if call.choice.backend == "fused":
+        out = fused_attention(
+            q,
+            k,
+            v,
+            mask,
+            call.attn_bias,
+            call.scale,
+            call.dropout_p,
+            call.training,
+            call.is_causal,
+        )
+        return out, None
+    if call.is_causal:
+        mask = combine(mask, causal_mask(T, S, device=q.device))  # [B|1, H|1, T, S]
+    out, weights = reference_attention(
+        q, k, v, mask, call.attn_bias, call.scale, call.dropout_p, call.training
+    )
+    return out, (weights if call.need_weights else None)
 
 
 def attention(
@@ -261,30 +377,31 @@ def attention(
     backend: Backend = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention with keyword options: the entry point the modules use.
 
     Every backend computes the same thing (fully masked rows give 0 with finite gradients,
     float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right ``is_causal``, dropout,
     ``attn_bias``); they differ in speed, memory and whether they return weights.
-    :func:`explain_backend` says which one a call gets and why.
+    :func:`explain_backend` takes the same arguments and says which one a call gets and why.
 
     Args:
         query: ``[B, H, T, Dh]``.
         key: ``[B, Hkv, S, Dh]``; ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
         value: ``[B, Hkv, S, Dv]``.
         mask: bool broadcastable to ``[B, H, T, S]``, True = blocked (see :mod:`qkv.masks`), or a
-            structured mask from :mod:`qkv.masks` (``Causal``, ``SlidingWindow``,
-            ``Padding``, ``Documents``, ``MaskMod`` and their ``|``), which the blockwise backend
+            mask rule from :mod:`qkv.masks` (``Causal``, ``SlidingWindow``, ``Padding``,
+            ``Documents``, ``MaskMod``, ``Dense`` and their ``|``), which the blockwise backend
             uses without materializing it.
         attn_bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
-        is_causal: also block future keys, **bottom-right aligned**: query ``i`` sits at absolute
-            position ``i + S - T``, which is what a KV cache needs and equals PyTorch's
-            top-left ``is_causal`` when ``T == S``. For top-left with ``T != S`` pass
-            ``mask=qkv.masks.causal_mask(T, S)`` or ``Causal(align="top_left")``.
+        is_causal: also block future keys, **bottom-right aligned** like every causal mask in
+            qkv: query ``i`` sits at absolute position ``i + S - T``, which is what a KV cache
+            needs and equals PyTorch's top-left ``is_causal`` when ``T == S``. For top-left with
+            ``T != S`` pass ``mask=Causal(align="top_left")``.
         scale: score multiplier; default ``1 / sqrt(Dh)``.
         need_weights: also return the ``[B, H, T, S]`` weights (reference backend).
-        dropout_p: dropout on the weights, used only when ``training``.
+        dropout_p: dropout on the weights, in ``[0, 1]``, used only when ``training``.
         training: apply dropout.
         backend: ``"auto"`` (see :mod:`qkv.backends.dispatch`), ``"reference"`` (explicit,
             returns weights), ``"fused"`` (PyTorch SDPA) or ``"blockwise"`` (online softmax,
@@ -292,78 +409,64 @@ def attention(
         block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
             sliding window's width (see :func:`qkv.backends.blockwise.default_blocks`).
         block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.
+        bias: deprecated alias of ``attn_bias`` (warns; kept for one release).
 
     Returns:
         ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
 
     Raises:
-        TypeError / ValueError: as :func:`scaled_dot_product_attention`, plus a attn_bias that does
-            not broadcast, an unknown backend, a non-positive scale, a structured mask that does
-            not fit, ``need_weights`` with the fused or blockwise backend.
+        TypeError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that is not a
+            float tensor, block sizes that are not ints, or both ``attn_bias`` and ``bias``.
+        ValueError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that does
+            not broadcast, an unknown backend, a non-positive scale or block size, a structured
+            mask that does not fit, ``need_weights`` with the fused or blockwise backend.
     """
-    scale, p = _check_call(query, key, value, mask, attn_bias, scale, dropout_p, backend)
-    choice = choose_backend(
-        backend,
+    call = _resolve(
         query,
         key,
+        value,
         mask=mask,
         attn_bias=attn_bias,
         is_causal=is_causal,
+        scale=scale,
         need_weights=need_weights,
+        dropout_p=dropout_p,
+        training=training,
+        backend=backend,
+        block_q=block_q,
+        block_k=block_k,
+        bias=bias,
     )
-    B, H, T, _ = query.shape
-    S = key.shape[2]
-    if choice.backend == "blockwise":
-        structured: StructuredMask | None
-        if isinstance(mask, Tensor):
-            structured = Dense(mask.reshape((1,) * (4 - mask.dim()) + _shape(mask)))
-        else:
-            structured = mask
-        if is_causal:
-            structured = Causal() if structured is None else Causal() | structured
-        out = blockwise_attention(
-            query,
-            key,
-            value,
-            structured,
-            attn_bias,
-            scale,
-            p,
-            training,
-            block_q=block_q,
-            block_k=block_k,
-        )
-        return out, None
-    if isinstance(mask, StructuredMask):
-        mask = mask.materialize(B, H, T, S, query.device)  # [B|1, H|1, T, S]
-    if choice.backend == "fused":
-        return fused_attention(
-            query, key, value, mask, attn_bias, scale, p, training, is_causal
-        ), None
-    if is_causal:
-        mask = combine(mask, causal_mask(T, S, align="bottom_right", device=query.device))
-    out, weights = reference_attention(query, key, value, mask, attn_bias, scale, p, training)
-    return out, (weights if need_weights else None)
+    return _run(call, block_q, block_k)
 
 
-def explain_backend(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    mask: Tensor | StructuredMask | None = None,
-    attn_bias: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    need_weights: bool = False,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    backend: Backend = "auto",
-) -> str:
+_P = ParamSpec("_P")
+
+
+def _takes_arguments_of(
+    f: Callable[_P, object],
+) -> Callable[[Callable[..., str]], Callable[_P, str]]:
+    """Give the decorated function ``f``'s parameters (for type checkers and ``inspect``)."""
+    params = inspect.signature(f).parameters.values()
+
+    def decorate(g: Callable[..., str]) -> Callable[_P, str]:
+        sig = inspect.signature(g).replace(parameters=list(params))
+        cast(Any, g).__signature__ = sig
+        return g
+
+    return decorate
+
+
+_ATTENTION_SIGNATURE = inspect.signature(attention)
+
+
+@_takes_arguments_of(attention)
+def explain_backend(*args: Any, **kwargs: Any) -> str:
     """Say in one sentence which backend :func:`attention` would use for these arguments and why.
 
-    Takes the same arguments as :func:`attention` and runs the same checks, but computes nothing.
-    If the requested backend cannot serve the call, the sentence says so (``attention`` raises).
+    Takes exactly the arguments of :func:`attention` (one signature) and resolves them in the
+    same place, with the same checks, but computes nothing. If the requested backend cannot
+    serve the call, the sentence says so (``attention`` raises).
 
     Returns:
         e.g. ``"blockwise: Causal(align='bottom_right'): 28 of 64 tiles (44%) fully masked, and
@@ -372,17 +475,10 @@ def explain_backend(
     Raises:
         TypeError / ValueError: the input errors of :func:`attention`.
     """
-    _check_call(query, key, value, mask, attn_bias, scale, dropout_p, backend)
-    try:
-        choice: BackendChoice = choose_backend(
-            backend,
-            query,
-            key,
-            mask=mask,
-            attn_bias=attn_bias,
-            is_causal=is_causal,
-            need_weights=need_weights,
-        )
-    except ValueError as err:
-        return f"no backend: {err} (attention() raises ValueError)"
-    return f"{choice.backend}: {choice.reason}"
+    bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    query, key, value = (bound.arguments.pop(name) for name in ("query", "key", "value"))
+    call = _resolve(query, key, value, **bound.arguments)
+    if call.choice is None:
+        return f"no backend: {call.refusal} (attention() raises ValueError)"
+    return f"{call.choice.backend}: {call.choice.reason}"

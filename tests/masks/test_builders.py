@@ -67,8 +67,9 @@ def test_padding_mask_errors() -> None:
 def test_causal_mask_alignments_match_torch(t: int, s: int) -> None:
     upper_left = ~causal_upper_left(t, s)._materialize()  # torch: True = may attend
     lower_right = ~causal_lower_right(t, s)._materialize()
-    assert torch.equal(masks.causal_mask(t, s)[0, 0], upper_left)
+    assert torch.equal(masks.causal_mask(t, s, align="top_left")[0, 0], upper_left)
     assert torch.equal(masks.causal_mask(t, s, align="bottom_right")[0, 0], lower_right)
+    assert torch.equal(masks.causal_mask(t, s)[0, 0], lower_right)  # the default
     assert torch.equal(
         masks.causal_mask(t, s, offset=s - t), masks.causal_mask(t, s, align="bottom_right")
     )
@@ -86,7 +87,8 @@ def test_causal_mask_square_matches_generate_square_subsequent_mask() -> None:
 def test_causal_sdpa_is_causal_is_top_left() -> None:
     q, k, v = _qkv()
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # T != S
-    out, _ = qkv.scaled_dot_product_attention(q, k, v, masks.causal_mask(T, S))
+    top_left = masks.causal_mask(T, S, align="top_left")
+    out, _ = qkv.scaled_dot_product_attention(q, k, v, top_left)
     torch.testing.assert_close(out, ref)
 
 
@@ -105,7 +107,7 @@ def test_sliding_window_mask() -> None:
     assert torch.equal(m, expected)
     wide = masks.sliding_window_mask(4, 6, window=100, offset=1)
     assert torch.equal(wide, masks.causal_mask(4, 6, offset=1))
-    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
         masks.sliding_window_mask(4, window=0)
 
 

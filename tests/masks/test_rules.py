@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from qkv.masks import (
     EMPTY,
     FULL,
+    AnyOf,
     Causal,
     Dense,
     Documents,
@@ -15,6 +16,7 @@ from qkv.masks import (
     Padding,
     SlidingWindow,
     StructuredMask,
+    Tile,
     causal_mask,
     combine,
     padding_mask,
@@ -112,7 +114,7 @@ def test_tiles_agree_with_materialized(T: int, S: int, bq: int, bk: int, seed: i
             for k0 in range(0, S, bk):
                 q1, k1 = min(q0 + bq, T), min(k0 + bk, S)
                 want = full[:, :, q0:q1, k0:k1]
-                got = m.tile(B, H, T, S, q0, q1, k0, k1, CPU)
+                got = m.tile(Tile(B, H, T, S, q0, q1, k0, k1, CPU))
                 if got is EMPTY:
                     assert bool(want.all()), m
                 elif got is FULL:
@@ -124,14 +126,81 @@ def test_tiles_agree_with_materialized(T: int, S: int, bq: int, bk: int, seed: i
 
 def test_causal_tiles_are_skipped_by_index_arithmetic() -> None:
     m = Causal()
-    assert m.tile(1, 1, 64, 64, 0, 16, 16, 32, CPU) is EMPTY
-    assert m.tile(1, 1, 64, 64, 16, 32, 0, 16, CPU) is FULL
-    assert isinstance(m.tile(1, 1, 64, 64, 0, 16, 0, 16, CPU), torch.Tensor)
+    assert m.tile(Tile(1, 1, 64, 64, 0, 16, 16, 32, CPU)) is EMPTY
+    assert m.tile(Tile(1, 1, 64, 64, 16, 32, 0, 16, CPU)) is FULL
+    assert isinstance(m.tile(Tile(1, 1, 64, 64, 0, 16, 0, 16, CPU)), torch.Tensor)
+
+
+def test_tile_is_a_small_frozen_value() -> None:
+    t = Tile.whole(2, 3, 5, 7, CPU)
+    assert t.bounds == (0, 5, 0, 7) and (t.B, t.H, t.T, t.S) == (2, 3, 5, 7)
+    assert torch.equal(Tile(1, 1, 8, 8, 2, 5, 3, 4, CPU).q_index(), torch.tensor([2, 3, 4]))
+    assert torch.equal(Tile(1, 1, 8, 8, 2, 5, 3, 4, CPU).k_index(), torch.tensor([3]))
+    with pytest.raises(AttributeError):
+        t.q0 = 1  # type: ignore[misc]
+
+
+def test_padding_lengths_and_is_pad_are_one_mask() -> None:
+    """The same padding has one spelling with two forms, tile by tile too."""
+    lengths = torch.tensor([5, 0, 3])
+    is_pad = torch.arange(6)[None, :] >= lengths[:, None]  # [B, S]
+    by_lengths, by_is_pad = Padding(lengths), Padding(is_pad)
+    assert torch.equal(by_lengths.materialize(3, 2, 4, 6), by_is_pad.materialize(3, 2, 4, 6))
+    for k0, k1 in ((0, 2), (3, 5), (5, 6)):
+        a = by_lengths.tile(Tile(3, 2, 4, 6, 0, 4, k0, k1, CPU))
+        b = by_is_pad.tile(Tile(3, 2, 4, 6, 0, 4, k0, k1, CPU))
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+        else:
+            assert a is b
+    left_pad = torch.tensor([[True, False, False], [False, False, False]])  # no lengths form
+    expected = left_pad[:, None, None, :]  # [B, 1, 1, S]
+    assert torch.equal(Padding(left_pad).materialize(2, 1, 3, 3), expected)
+    with pytest.raises(ValueError, match="is_pad has S=3, expected S=4"):
+        Padding(left_pad).validate(2, 1, 3, 4, CPU)
+    with pytest.raises(ValueError, match="is_pad has B=2, expected B=1"):
+        Padding(left_pad).validate(1, 1, 3, 3, CPU)
+
+
+def test_materialize_returns_the_rules_broadcast_shape() -> None:
+    B, H, T, S = 3, 4, 5, 6
+    lengths = torch.tensor([6, 2, 0])
+    ids = torch.zeros(B, T, dtype=torch.long)
+    shapes = {
+        Padding(lengths): (B, 1, 1, S),
+        Padding(torch.tensor([6, 6, 6])): (B, 1, 1, S),  # FULL: still [B, 1, 1, S]
+        Causal(): (1, 1, T, S),
+        Causal(offset=100): (1, 1, T, S),  # FULL
+        SlidingWindow(2): (1, 1, T, S),
+        Documents(ids, torch.zeros(B, S, dtype=torch.long)): (B, 1, T, S),
+        Causal() | Padding(lengths): (B, 1, T, S),
+        Dense(torch.rand(1, 1, 1, S) < 0.5): (1, 1, T, S),
+    }
+    for rule, shape in shapes.items():
+        assert tuple(rule.materialize(B, H, T, S).shape) == shape, rule
+
+
+def test_rules_join_bool_tensors_with_or() -> None:
+    T, S = 4, 6
+    dense = torch.rand(1, 1, T, S) < 0.3
+    want = causal_mask(T, S) | dense
+    for rule in (Causal() | dense, dense | Causal()):
+        assert isinstance(rule, AnyOf)
+        assert torch.equal(rule.materialize(1, 1, T, S), want)
+
+
+def test_union_is_a_deprecated_alias_of_any_of() -> None:
+    with pytest.warns(DeprecationWarning, match="AnyOf"):
+        from qkv.masks import Union
+    assert Union is AnyOf
+    assert isinstance(Causal() | SlidingWindow(2), Union)
 
 
 def test_errors_name_the_argument() -> None:
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
         SlidingWindow(0)
+    with pytest.raises(TypeError, match="window must be an int"):
+        SlidingWindow(2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="align"):
         Causal(align="middle")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="lengths"):

@@ -15,14 +15,15 @@ Inputs are validated by :mod:`qkv.attention`; float16/bfloat16 are computed in f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from qkv.backends.reference import compute_dtype, expand_kv_heads
-from qkv.masks import EMPTY, FULL, SlidingWindow, StructuredMask, TileMask
+from qkv.checks import check_positive_int
+from qkv.masks import EMPTY, FULL, SlidingWindow, StructuredMask, Tile, TileMask
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 512
@@ -36,7 +37,11 @@ __all__ = [
     "blockwise_attention",
     "default_blocks",
     "plan_tiles",
+    "resolve_blocks",
 ]
+
+Bounds = tuple[int, int, int, int]
+"""A tile's ``(q0, q1, k0, k1)``."""
 
 
 def default_blocks(mask: StructuredMask | None) -> tuple[int, int]:
@@ -56,19 +61,46 @@ def default_blocks(mask: StructuredMask | None) -> tuple[int, int]:
     return min(max(w, 64), DEFAULT_BLOCK_Q), min(max(w, 64), DEFAULT_BLOCK_K)
 
 
+def resolve_blocks(
+    mask: StructuredMask | None, block_q: int | None, block_k: int | None
+) -> tuple[int, int]:
+    """The tile size of one call: the caller's, else :func:`default_blocks`.
+
+    Raises:
+        TypeError: a block size that is not an int.
+        ValueError: a block size below 1.
+    """
+    auto_q, auto_k = default_blocks(mask)
+    return (
+        auto_q if block_q is None else check_positive_int("block_q", block_q),
+        auto_k if block_k is None else check_positive_int("block_k", block_k),
+    )
+
+
 @dataclass(frozen=True)
 class TilePlan:
-    """Which tiles the blockwise backend computes.
+    """Which tiles the blockwise backend computes, for one mask on one grid.
 
     Attributes:
         tiles: per query block, the ``(q0, q1, k0, k1)`` of every tile not fully masked.
         total: number of tiles in the grid, skipped ones included.
         computed_pairs: query-key pairs in the computed tiles (for FLOP counts).
+        grid: the ``(B, H, T, S)`` it was planned for.
+        blocks: its ``(block_q, block_k)``.
+        mask: the mask it was planned for (the blockwise backend refuses a plan made for another).
+        masks: each computed tile's mask (FULL or a partial tile tensor) kept from planning, so
+            forward and backward need not evaluate the rule again; at most
+            :data:`MASK_CACHE_BYTES` of partial tiles, so a dense ``mask_mod`` can never make
+            it O(T · S).
     """
 
-    tiles: tuple[tuple[tuple[int, int, int, int], ...], ...]
+    tiles: tuple[tuple[Bounds, ...], ...]
     total: int
     computed_pairs: int
+    grid: tuple[int, int, int, int]
+    blocks: tuple[int, int]
+    mask: StructuredMask | None = field(default=None, compare=False)
+    masks: dict[Bounds, TileMask] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def computed(self) -> int:
@@ -85,46 +117,55 @@ def plan_tiles(
     block_q: int,
     block_k: int,
     device: torch.device,
-    keep_masks: dict[tuple[int, int, int, int], TileMask] | None = None,
+    keep_masks: bool = False,
 ) -> TilePlan:
     """Classify every tile of the ``T x S`` grid; keep those that are not fully masked.
 
     Args:
-        keep_masks: if given, receives each computed tile's mask (FULL or a partial tile
-            tensor) while the partial tiles stored total at most :data:`MASK_CACHE_BYTES`, so
-            forward and backward need not evaluate the rule again. Bounded, so a dense
-            ``mask_mod`` can never make it O(T · S).
+        mask: the structured mask, or None (every tile computed, no mask).
+        B: batch size.
+        H: query heads.
+        T: query length.
+        S: key length.
+        block_q: query rows per tile.
+        block_k: keys per tile.
+        device: where tile masks are built.
+        keep_masks: keep the computed tiles' masks in :attr:`TilePlan.masks` (bounded).
+
+    Returns:
+        The plan.
     """
     rows = []
     pairs = 0
     stored = 0
+    kept: dict[Bounds, TileMask] = {}
     for q0 in range(0, T, block_q):
         q1 = min(q0 + block_q, T)
         row = []
         for k0 in range(0, S, block_k):
             k1 = min(k0 + block_k, S)
             t = (q0, q1, k0, k1)
-            tm: TileMask = FULL if mask is None else mask.tile(B, H, T, S, *t, device)
+            tm: TileMask = FULL if mask is None else mask.tile(Tile(B, H, T, S, *t, device))
             if tm is EMPTY:
                 continue
-            if keep_masks is not None:
+            if keep_masks:
                 size = tm.numel() if isinstance(tm, Tensor) else 0
                 if stored + size <= MASK_CACHE_BYTES:
-                    keep_masks[t] = tm
+                    kept[t] = tm
                     stored += size
             row.append(t)
             pairs += (q1 - q0) * (k1 - k0)
         rows.append(tuple(row))
     total = math.ceil(T / block_q) * math.ceil(S / block_k)
-    return TilePlan(tuple(rows), total, pairs)
+    return TilePlan(tuple(rows), total, pairs, (B, H, T, S), (block_q, block_k), mask, kept)
 
 
-def _bias_tile(bias: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
-    if bias is None:
+def _bias_tile(attn_bias: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
+    if attn_bias is None:
         return None
-    qs = slice(q0, q1) if bias.shape[2] != 1 else slice(None)
-    ks = slice(k0, k1) if bias.shape[3] != 1 else slice(None)
-    return bias[:, :, qs, ks]  # [B|1, H|1, bq|1, bk|1]
+    qs = slice(q0, q1) if attn_bias.shape[2] != 1 else slice(None)
+    ks = slice(k0, k1) if attn_bias.shape[3] != 1 else slice(None)
+    return attn_bias[:, :, qs, ks]  # [B|1, H|1, bq|1, bk|1]
 
 
 def _dropout_keep(seed: int, index: int, shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
@@ -145,35 +186,34 @@ class _Ctx:
         dropout_p: float,
         seed: int,
         plan: TilePlan,
-        blocks: tuple[int, int],
-        masks: dict[tuple[int, int, int, int], TileMask],
     ) -> None:
-        self.masks = masks  # tile -> its mask, for the tiles planning kept
+        self.masks = plan.masks  # tile -> its mask, for the tiles planning kept
         self.mask = mask
         self.shape = shape  # (B, H, T, S)
         self.scale = scale
         self.dropout_p = dropout_p
         self.seed = seed
         self.plan = plan
-        self.blocks = blocks  # (block_q, block_k)
+        self.blocks = plan.blocks  # (block_q, block_k)
 
     def scores(
-        self, qi: Tensor, k: Tensor, bias: Tensor | None, t: tuple[int, int, int, int], buf: Tensor
+        self, qi: Tensor, k: Tensor, attn_bias: Tensor | None, t: Bounds, buf: Tensor
     ) -> Tensor:
         """Masked scores of one tile, written into ``buf``; ``qi`` is already scaled."""
         s = _view(buf, (qi.shape[0], qi.shape[1], t[1] - t[0], t[3] - t[2]))  # [B, H, bq, bk]
         torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1), out=s)  # [B, H, bq, bk]
-        b = _bias_tile(bias, *t)
+        b = _bias_tile(attn_bias, *t)
         if b is not None:
             s.add_(b)  # [B, H, bq, bk]
         tm = self.masks.get(t)
         if tm is None:
-            tm = FULL if self.mask is None else self.mask.tile(*self.shape, *t, qi.device)
+            tile = Tile(*self.shape, *t, qi.device)
+            tm = FULL if self.mask is None else self.mask.tile(tile)
         if isinstance(tm, Tensor):
             s.masked_fill_(tm, float("-inf"))  # [B, H, bq, bk]
         return s
 
-    def keep(self, t: tuple[int, int, int, int], shape: tuple[int, ...], like: Tensor) -> Tensor:
+    def keep(self, t: Bounds, shape: tuple[int, ...], like: Tensor) -> Tensor:
         nk = math.ceil(self.shape[3] / self.blocks[1])
         index = (t[0] // self.blocks[0]) * nk + t[2] // self.blocks[1]
         return _dropout_keep(self.seed, index, shape, self.dropout_p, like)
@@ -196,7 +236,9 @@ def _workspace(q: Tensor, c: _Ctx) -> Tensor:
 
 class _BlockwiseFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, c: _Ctx) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, attn_bias: Tensor | None, c: _Ctx
+    ) -> Tensor:
         B, H, T, _ = q.shape
         Dv = v.shape[3]
         out = torch.zeros(B, H, T, Dv, dtype=q.dtype, device=q.device)  # [B, H, T, Dv]
@@ -212,7 +254,7 @@ class _BlockwiseFunction(torch.autograd.Function):
             l_sum = torch.zeros(B, H, q1 - q0, dtype=q.dtype, device=q.device)  # [B, H, bq]
             acc = torch.zeros(B, H, q1 - q0, Dv, dtype=q.dtype, device=q.device)  # [B, H, bq, Dv]
             for t in row:
-                s = c.scores(qi, k, bias, t, buf)  # [B, H, bq, bk], updated in place
+                s = c.scores(qi, k, attn_bias, t, buf)  # [B, H, bq, bk], updated in place
                 m_new = torch.maximum(m, s.amax(dim=-1))  # [B, H, bq]
                 # Rows with every key so far blocked keep m = -inf; shift them by 0 instead.
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # [B, H, bq]
@@ -228,21 +270,21 @@ class _BlockwiseFunction(torch.autograd.Function):
             out[:, :, q0:q1] = acc / l_safe[..., None]  # [B, H, bq, Dv]
             m_fin = m.masked_fill(torch.isneginf(m), 0.0)  # [B, H, bq]
             lse[:, :, q0:q1] = (m_fin + torch.log(l_safe)).masked_fill(dead, 0.0)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.save_for_backward(q, k, v, attn_bias, out, lse)
         ctx.c = c
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, attn_bias, out, lse = ctx.saved_tensors
         c: _Ctx = ctx.c
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(dim=-1)  # [B, H, T]
         dq = torch.zeros_like(q)  # [B, H, T, Dh]
         dk = torch.zeros_like(k)  # [B, H, S, Dh]
         dv = torch.zeros_like(v)  # [B, H, S, Dv]
-        want_bias = bias is not None and ctx.needs_input_grad[3]
-        dbias = torch.zeros_like(bias) if want_bias else None
+        want_bias = attn_bias is not None and ctx.needs_input_grad[3]
+        dbias = torch.zeros_like(attn_bias) if want_bias else None
         drop = c.dropout_p > 0.0
         inv_keep = 1.0 / (1.0 - c.dropout_p) if drop else 1.0
         buf_s, buf_dp = _workspace(q, c), _workspace(q, c)
@@ -257,7 +299,7 @@ class _BlockwiseFunction(torch.autograd.Function):
             dq_i = torch.zeros_like(qi)  # [B, H, bq, Dh]
             for t in row:
                 k0, k1 = t[2], t[3]
-                p = c.scores(qi, k, bias, t, buf_s).sub_(lse_i).exp_()  # [B, H, bq, bk]
+                p = c.scores(qi, k, attn_bias, t, buf_s).sub_(lse_i).exp_()  # [B, H, bq, bk]
                 vj = v[:, :, k0:k1]  # [B, H, bk, Dv]
                 dp = _view(buf_dp, tuple(p.shape))  # [B, H, bq, bk]
                 torch.matmul(do_i, vj.transpose(-2, -1), out=dp)  # [B, H, bq, bk]
@@ -286,7 +328,7 @@ def blockwise_attention(
     key: Tensor,
     value: Tensor,
     mask: StructuredMask | None,
-    bias: Tensor | None,
+    attn_bias: Tensor | None,
     scale: float,
     dropout_p: float,
     training: bool,
@@ -294,6 +336,7 @@ def blockwise_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     dropout_seed: int | None = None,
+    plan: TilePlan | None = None,
 ) -> Tensor:
     """Blockwise attention; see :func:`qkv.attention` for the contract.
 
@@ -303,46 +346,64 @@ def blockwise_attention(
         value: ``[B, Hkv, S, Dv]``.
         mask: a structured mask (bool tensors are wrapped in
             :class:`qkv.masks.Dense` by the caller), or None.
-        bias: float broadcastable to ``[B, H, T, S]``, added to the scores, or None.
+        attn_bias: float broadcastable to ``[B, H, T, S]``, added to the scores, or None.
         scale: multiplies the scores.
         dropout_p: dropout on the weights (only when ``training``).
         training: apply dropout.
         block_q: query rows per tile (any positive int; need not divide T); default from
-            :func:`default_blocks`.
+            :func:`default_blocks`, or the plan's.
         block_k: keys per tile (any positive int; need not divide S); default likewise.
         dropout_seed: seed of the per-tile dropout masks; default drawn from torch's RNG.
+        plan: the tile plan of this very call (the dispatcher made it for ``mask`` while
+            choosing the backend); planned here when None.
 
     Returns:
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
 
     Raises:
-        ValueError: non-positive block sizes.
+        TypeError: block sizes that are not ints.
+        ValueError: non-positive block sizes, or a plan made for another mask, grid or blocks.
     """
-    auto_q, auto_k = default_blocks(mask)
-    block_q = auto_q if block_q is None else block_q
-    block_k = auto_k if block_k is None else block_k
-    for name, val in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    out_dtype = query.dtype
-    work = compute_dtype(out_dtype)
     B, H, T, _ = query.shape
     S = key.shape[2]
+    if plan is None:
+        blocks = resolve_blocks(mask, block_q, block_k)
+        plan = plan_tiles(mask, B, H, T, S, *blocks, query.device, keep_masks=True)
+    else:
+        _check_plan(plan, mask, (B, H, T, S), block_q, block_k)
+    out_dtype = query.dtype
+    work = compute_dtype(out_dtype)
     p = dropout_p if training else 0.0
     if p >= 1.0:
         return torch.zeros(B, H, T, value.shape[3], dtype=out_dtype, device=query.device)
     if p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
-    masks: dict[tuple[int, int, int, int], TileMask] = {}
-    plan = plan_tiles(mask, B, H, T, S, block_q, block_k, query.device, masks)
-    c = _Ctx(mask, (B, H, T, S), scale, p, dropout_seed or 0, plan, (block_q, block_k), masks)
+    c = _Ctx(mask, (B, H, T, S), scale, p, dropout_seed or 0, plan)
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = query.to(work)  # [B, H, T, Dh]
         k = expand_kv_heads(key.to(work), H)  # [B, H, S, Dh]
         v = expand_kv_heads(value.to(work), H)  # [B, H, S, Dv]
         b4 = None
-        if bias is not None:
-            b4 = bias.to(work).reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        if attn_bias is not None:
+            b4 = attn_bias.to(work).reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
         out = _BlockwiseFunction.apply(q, k, v, b4, c)
     assert isinstance(out, Tensor)
     return out.to(out_dtype)
+
+
+def _check_plan(
+    plan: TilePlan,
+    mask: StructuredMask | None,
+    grid: tuple[int, int, int, int],
+    block_q: int | None,
+    block_k: int | None,
+) -> None:
+    if plan.mask is not mask:
+        raise ValueError(f"the tile plan was made for {plan.mask!r}, not for {mask!r}")
+    if plan.grid != grid:
+        raise ValueError(f"the tile plan was made for grid {plan.grid}, not {grid}")
+    for name, given, planned in zip(
+        ("block_q", "block_k"), (block_q, block_k), plan.blocks, strict=True
+    ):
+        if given is not None and given != planned:
+            raise ValueError(f"{name}={given} but the tile plan was made with {name}={planned}")

@@ -12,18 +12,23 @@
 
 A backend asked for by name is used as asked; if it cannot serve the call (weights from fused
 or blockwise) :func:`choose_backend` raises instead of switching.
+
+When the choice is blockwise, the :class:`BackendChoice` carries the structured mask blockwise
+runs (:func:`blockwise_mask`) and, where choosing it already classified that mask's tiles, the
+:class:`~qkv.backends.blockwise.TilePlan`, so no call plans its tiles twice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from qkv.backends.blockwise import default_blocks, plan_tiles
+from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
 from qkv.backends.fused import uses_sdpa_is_causal
 from qkv.masks import (
+    AnyOf,
     Causal,
     Dense,
     Documents,
@@ -31,7 +36,6 @@ from qkv.masks import (
     Padding,
     SlidingWindow,
     StructuredMask,
-    Union,
 )
 
 BLOCKWISE_MIN_PAIRS = 1024 * 1024
@@ -46,20 +50,50 @@ __all__ = [
     "BLOCKWISE_MIN_SKIP",
     "MATERIALIZE_LIMIT_BYTES",
     "BackendChoice",
+    "blockwise_mask",
     "choose_backend",
 ]
 
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """The backend that runs a call and the sentence that says why."""
+    """The backend that runs a call and the sentence that says why.
+
+    Attributes:
+        backend: ``"reference"``, ``"fused"`` or ``"blockwise"``.
+        reason: the sentence.
+        mask: for blockwise, the structured mask it runs (see :func:`blockwise_mask`).
+        plan: for blockwise, the tile plan of ``mask`` made while choosing, or None.
+    """
 
     backend: str
     reason: str
+    mask: StructuredMask | None = field(default=None, compare=False)
+    plan: TilePlan | None = field(default=None, compare=False)
+
+
+def blockwise_mask(mask: Tensor | StructuredMask | None, is_causal: bool) -> StructuredMask | None:
+    """The structured mask the blockwise backend runs for a call's ``mask`` and ``is_causal``.
+
+    Args:
+        mask: bool tensor (wrapped in :class:`Dense`, made 4-D), structured mask, or None.
+        is_causal: add a bottom-right :class:`Causal` part.
+
+    Returns:
+        The mask, or None when nothing is masked.
+    """
+    structured: StructuredMask | None
+    if isinstance(mask, Tensor):
+        structured = Dense(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)))
+    else:
+        structured = mask
+    if is_causal:
+        structured = Causal() if structured is None else Causal() | structured
+    return structured
 
 
 def _cheap_to_classify(mask: StructuredMask) -> bool:
-    parts = mask.parts if isinstance(mask, Union) else (mask,)
+    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
     return all(isinstance(p, SlidingWindow | Padding | Documents) for p in parts)
 
 
@@ -96,6 +130,8 @@ def choose_backend(
     attn_bias: Tensor | None,
     is_causal: bool,
     need_weights: bool,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> BackendChoice:
     """Decide the backend of one (already validated) :func:`qkv.attention` call.
 
@@ -107,9 +143,11 @@ def choose_backend(
         attn_bias: the call's attn_bias, or None.
         is_causal: the call's ``is_causal``.
         need_weights: the call's ``need_weights``.
+        block_q: the call's blockwise tile height, or None for the default.
+        block_k: the call's blockwise tile width, or None for the default.
 
     Returns:
-        The backend and a sentence explaining the choice.
+        The backend, a sentence explaining the choice, and for blockwise its mask and plan.
 
     Raises:
         ValueError: weights requested from a backend that cannot return them.
@@ -127,8 +165,9 @@ def choose_backend(
         return BackendChoice("reference", "backend='reference' was requested")
     if requested == "fused":
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
+    run_mask = blockwise_mask(mask, is_causal)
     if requested == "blockwise":
-        return BackendChoice("blockwise", "backend='blockwise' was requested")
+        return BackendChoice("blockwise", "backend='blockwise' was requested", run_mask)
     if need_weights:
         return BackendChoice(
             "reference", "need_weights=True and only the reference backend returns weights"
@@ -149,6 +188,7 @@ def choose_backend(
             "blockwise",
             f"materializing the mask for SDPA would take about {_mb(mat_bytes)} "
             f"(limit {_mb(MATERIALIZE_LIMIT_BYTES)}); blockwise never builds it",
+            run_mask,
         )
     if pairs < BLOCKWISE_MIN_PAIRS:
         return BackendChoice(
@@ -156,20 +196,28 @@ def choose_backend(
             f"T * S = {pairs} < {BLOCKWISE_MIN_PAIRS} pairs is too small for blockwise's tile "
             f"loop to pay off; {notes}",
         )
-    sm: StructuredMask = mask if isinstance(mask, StructuredMask) else Causal()
-    if isinstance(mask, StructuredMask) and is_causal:
-        sm = Causal() | mask
+    # A tensor mask with is_causal and T != S is classified by its causal part alone (the
+    # tensor is assumed dense); then the plan is not the run mask's and blockwise makes its own.
+    sm = run_mask if isinstance(mask, StructuredMask) or mask is None else Causal()
+    assert sm is not None
     if not _cheap_to_classify(sm):
         return BackendChoice(
             "blockwise",
             f"{sm!r} has a mask_mod or tensor part, assumed sparse (classifying it would cost a "
             "pass over the grid); blockwise evaluates it one tile at a time",
+            run_mask,
         )
-    plan = plan_tiles(sm, B, H, T, S, *default_blocks(sm), query.device)
+    blocks = resolve_blocks(sm, block_q, block_k)
+    plan = plan_tiles(sm, B, H, T, S, *blocks, query.device, keep_masks=sm is run_mask)
     skipped = 1.0 - plan.computed / plan.total
     tiles = f"{plan.total - plan.computed} of {plan.total} tiles ({skipped:.0%}) fully masked"
     if skipped >= BLOCKWISE_MIN_SKIP:
-        return BackendChoice("blockwise", f"{sm!r}: {tiles}, and blockwise skips them")
+        return BackendChoice(
+            "blockwise",
+            f"{sm!r}: {tiles}, and blockwise skips them",
+            run_mask,
+            plan if sm is run_mask else None,
+        )
     return BackendChoice(
         "fused",
         f"{sm!r}: only {tiles} (< {BLOCKWISE_MIN_SKIP:.0%}), so SDPA over the dense mask is "
@@ -178,5 +226,5 @@ def choose_backend(
 
 
 def _per_batch(mask: object) -> bool:
-    parts = mask.parts if isinstance(mask, Union) else (mask,)
+    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
     return any(isinstance(p, Padding | Documents | MaskMod | Dense) for p in parts)

@@ -3,8 +3,8 @@
 SDPA's fused CPU kernel is fast but its conventions differ from qkv's, so this module converts
 at the edge and patches the two places where results would differ:
 
-- masks: qkv's True = blocked becomes SDPA's True = may attend; a bias is folded into a float
-  mask (``bias`` and ``-inf`` where blocked).
+- masks: qkv's True = blocked becomes SDPA's True = may attend; an ``attn_bias`` is folded into a
+  float mask (``attn_bias`` and ``-inf`` where blocked).
 - ``is_causal``: qkv's is bottom-right aligned, SDPA's top-left; SDPA's flag (which skips the
   upper triangle inside the kernel) is used only when ``T == S`` and there is nothing else to
   mask, otherwise the bottom-right causal mask is materialized.
@@ -30,9 +30,9 @@ from qkv.masks import causal_mask
 __all__ = ["fused_attention", "uses_sdpa_is_causal"]
 
 
-def uses_sdpa_is_causal(T: int, S: int, mask: object, bias: object, is_causal: bool) -> bool:
+def uses_sdpa_is_causal(T: int, S: int, mask: object, attn_bias: object, is_causal: bool) -> bool:
     """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag."""
-    return is_causal and T == S and mask is None and bias is None
+    return is_causal and T == S and mask is None and attn_bias is None
 
 
 def fused_attention(
@@ -40,7 +40,7 @@ def fused_attention(
     key: Tensor,
     value: Tensor,
     mask: Tensor | None,
-    bias: Tensor | None,
+    attn_bias: Tensor | None,
     scale: float,
     dropout_p: float,
     training: bool,
@@ -53,7 +53,7 @@ def fused_attention(
         key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, S, Dv]``.
         mask: bool broadcastable to ``[B, H, T, S]``, True = blocked, or None.
-        bias: float broadcastable to ``[B, H, T, S]``, or None.
+        attn_bias: float broadcastable to ``[B, H, T, S]``, or None.
         scale: multiplies the scores.
         dropout_p: dropout on the weights (only when ``training``).
         training: apply dropout.
@@ -65,7 +65,7 @@ def fused_attention(
     out_dtype = query.dtype
     work = compute_dtype(out_dtype)
     T, S = query.shape[2], key.shape[2]
-    sdpa_causal = uses_sdpa_is_causal(T, S, mask, bias, is_causal)
+    sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal)
     if is_causal and not sdpa_causal:
         causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
         mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
@@ -78,8 +78,8 @@ def fused_attention(
             dead = None
     with torch.autocast(device_type=query.device.type, enabled=False):
         attn_mask: Tensor | None = None
-        if bias is not None:
-            attn_mask = bias.to(work)  # [B|1, H|1, T|1, S|1]
+        if attn_bias is not None:
+            attn_mask = attn_bias.to(work)  # [B|1, H|1, T|1, S|1]
             if mask is not None:
                 attn_mask = attn_mask.masked_fill(mask, float("-inf"))  # [B|1, H|1, T, S]
         elif mask is not None:

@@ -1,7 +1,7 @@
 """The reference backend: the attention formula written out, returning the weights.
 
-softmax(Q Kᵀ · scale + bias + M) V, with M = -inf on blocked keys. Inputs are already validated
-by :mod:`qkv.attention`. This is the backend every other one is tested against.
+softmax(Q Kᵀ · scale + attn_bias + M) V, with M = -inf on blocked keys. Inputs are validated
+by :mod:`qkv.functional`. This is the backend every other one is tested against.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def reference_attention(
     key: Tensor,
     value: Tensor,
     mask: Tensor | None,
-    bias: Tensor | None,
+    attn_bias: Tensor | None,
     scale: float,
     dropout_p: float,
     training: bool,
@@ -49,7 +49,7 @@ def reference_attention(
         key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, S, Dv]``.
         mask: bool, broadcastable to ``[B, H, T, S]``, True = blocked, or None.
-        bias: float, broadcastable to ``[B, H, T, S]``, added to the scores, or None.
+        attn_bias: float, broadcastable to ``[B, H, T, S]``, added to the scores, or None.
         scale: multiplies the scores.
         dropout_p: dropout probability on the weights (used only when ``training``).
         training: apply dropout.
@@ -65,8 +65,8 @@ def reference_attention(
         k = expand_kv_heads(key.to(work), q.shape[1])  # [B, H, S, Dh]
         v = expand_kv_heads(value.to(work), q.shape[1])  # [B, H, S, Dv]
         scores = torch.matmul(q * scale, k.transpose(-2, -1))  # [B, H, T, S]
-        if bias is not None:
-            scores = scores + bias.to(work)  # [B, H, T, S]
+        if attn_bias is not None:
+            scores = scores + attn_bias.to(work)  # [B, H, T, S]
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))  # [B, H, T, S]
         # A row whose every key is blocked: softmax of all -inf is NaN, and so is its gradient.

@@ -1,4 +1,14 @@
-"""qkv's one mask system: rules, the tensor builders that materialize them, and converters."""
+"""qkv's one mask system: rules, the tensor builders that materialize them, and converters.
+
+- :mod:`qkv.masks.rules`: ``Causal``, ``SlidingWindow``, ``Padding``, ``Documents``,
+  ``MaskMod``, ``Dense``, combined with ``|`` into ``AnyOf``; the source of truth.
+- :mod:`qkv.masks.builders`: ``causal_mask``, ``sliding_window_mask``, ``padding_mask`` (thin
+  calls of the rules, returning 4-D bool tensors) and ``combine`` (OR of tensors).
+- :mod:`qkv.masks.convert`: SDPA / ``nn.MultiheadAttention`` / Hugging Face / additive masks.
+- :mod:`qkv.masks.tiles`: the ``Tile`` a rule is asked about, and the one alignment rule.
+"""
+
+import warnings
 
 from qkv.masks.builders import causal_mask, combine, padding_mask, sliding_window_mask
 from qkv.masks.convert import (
@@ -13,8 +23,7 @@ from qkv.masks.convert import (
     to_sdpa_bool,
 )
 from qkv.masks.rules import (
-    EMPTY,
-    FULL,
+    AnyOf,
     Causal,
     Dense,
     Documents,
@@ -22,13 +31,14 @@ from qkv.masks.rules import (
     Padding,
     SlidingWindow,
     StructuredMask,
-    TileMask,
-    Union,
 )
+from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask
 
 __all__ = [
     "EMPTY",
     "FULL",
+    "Align",
+    "AnyOf",
     "Causal",
     "Dense",
     "Documents",
@@ -36,6 +46,7 @@ __all__ = [
     "Padding",
     "SlidingWindow",
     "StructuredMask",
+    "Tile",
     "TileMask",
     "Union",
     "causal_mask",
@@ -52,3 +63,15 @@ __all__ = [
     "to_mha_bool",
     "to_sdpa_bool",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Union":
+        warnings.warn(
+            "qkv.masks.Union is deprecated (it shadowed typing.Union): use qkv.masks.AnyOf, "
+            "or combine rules with |",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return AnyOf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,22 +17,27 @@ Every builder here returns a 4-D tensor (``[B, 1, 1, S]`` for padding, ``[1, 1, 
 causal and sliding-window masks), so that no mask built by qkv relies on right-aligned
 broadcasting, which is where a ``[B, S]`` padding mask silently turns into a ``[T, S]`` one.
 
-Causal alignment for ``T != S``: ``align="top_left"`` lets query ``i`` see keys ``0..i`` (this is
-what ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` does);
-``align="bottom_right"`` lets query ``i`` see keys ``0..i + S - T`` so the last query sees every
-key (this is what a KV cache needs, and what ``torch.nn.attention.bias.causal_lower_right``
-does). ``nn.Transformer.generate_square_subsequent_mask`` only builds the square ``T == S`` case,
-where both alignments agree.
+Each builder is a thin call of a rule of :mod:`qkv.masks.rules` (``padding_mask`` is
+``Padding(...).materialize``, ``causal_mask`` ``Causal(...)``, ``sliding_window_mask``
+``SlidingWindow(...)``), so a mask has one meaning whichever spelling builds it.
+
+Causal alignment for ``T != S``, the same for every function and rule: **bottom-right by
+default** (query ``i`` sees keys ``0..i + S - T``, so the last query sees every key: what a KV
+cache needs and what ``qkv.attention(is_causal=True)`` does); ``align="top_left"`` lets query
+``i`` see keys ``0..i`` (PyTorch SDPA's ``is_causal=True``); ``offset=n`` puts query 0 at
+position ``n``. ``offset`` with an explicit ``align`` is a ValueError. The two alignments agree
+when ``T == S`` (``nn.Transformer.generate_square_subsequent_mask``). See
+:mod:`qkv.masks.tiles`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-Align = Literal["top_left", "bottom_right"]
+from qkv.checks import check_positive_int
+from qkv.masks.rules import Causal, Padding, SlidingWindow
+from qkv.masks.tiles import Align
 
 __all__ = ["causal_mask", "combine", "padding_mask", "sliding_window_mask"]
 
@@ -56,7 +61,7 @@ def _check_bool(name: str, mask: object) -> Tensor:
 def padding_mask(
     lengths_or_is_pad: Tensor, S: int | None = None, *, device: torch.device | None = None
 ) -> Tensor:
-    """Build a key-padding mask in qkv's convention.
+    """Build a key-padding mask in qkv's convention: ``Padding(lengths_or_is_pad)`` materialized.
 
     Args:
         lengths_or_is_pad: either an integer tensor ``[B]`` of valid lengths (keys ``>= length``
@@ -73,55 +78,23 @@ def padding_mask(
             ``attention_mask`` goes through :func:`from_hf`).
         ValueError: wrong rank, S missing or smaller than a length, negative lengths.
     """
-    x = _check_tensor("lengths_or_is_pad", lengths_or_is_pad)
-    if x.dtype == torch.bool:
-        if x.dim() != 2:
-            raise ValueError(
-                f"a bool padding mask must be [B, S] (True = padding), got shape {tuple(x.shape)}"
-            )
-        if S is not None and x.shape[1] != S:
-            raise ValueError(f"padding mask has S={x.shape[1]} but S={S} was given")
-        out = x[:, None, None, :]  # [B, 1, 1, S]
-        return out.to(device) if device is not None else out
-    if x.is_floating_point() or x.is_complex():
-        raise TypeError(
-            f"lengths must be an integer tensor [B], got {x.dtype}; for an additive float mask "
-            "use qkv.masks.from_additive"
-        )
-    if x.dim() != 1:
-        raise TypeError(
-            f"integer input to padding_mask must be lengths [B], got shape {tuple(x.shape)}; "
-            "a Hugging Face attention_mask [B, S] (1 = keep) goes through qkv.masks.from_hf"
-        )
-    if S is None:
+    rule = Padding(lengths_or_is_pad)
+    x = rule.is_pad if rule.is_pad is not None else rule.lengths
+    assert x is not None
+    if rule.is_pad is not None:
+        if S is not None and rule.is_pad.shape[1] != S:
+            raise ValueError(f"padding mask has S={rule.is_pad.shape[1]} but S={S} was given")
+        S = rule.is_pad.shape[1]
+    elif S is None:
         raise ValueError("padding_mask(lengths) needs S, the key length")
-    if x.numel() and (int(x.min()) < 0 or int(x.max()) > S):
-        raise ValueError(f"lengths must lie in [0, S={S}], got {x.tolist()}")
-    dev = device if device is not None else x.device
-    positions = torch.arange(S, device=dev)  # [S]
-    blocked = positions[None, :] >= x.to(dev)[:, None]  # [B, S]
-    return blocked[:, None, None, :]  # [B, 1, 1, S]
+    if device is not None and x.device != device:
+        rule = Padding(x.to(device))
+    return rule.materialize(x.shape[0], 1, 1, S, x.device if device is None else device)
 
 
-def _query_positions(
-    T: int, S: int, offset: int | None, align: Align, device: torch.device | None
-) -> Tensor:
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
-    if offset is None:
-        offset = 0 if align == "top_left" else S - T
-    elif align != "top_left":
-        raise ValueError("give either offset or align='bottom_right', not both")
-    return torch.arange(T, device=device) + offset  # [T]
-
-
-def _check_lengths(T: int, S: int | None) -> int:
-    if not isinstance(T, int) or T < 1:
-        raise ValueError(f"T must be a positive int, got {T!r}")
-    S = T if S is None else S
-    if not isinstance(S, int) or S < 1:
-        raise ValueError(f"S must be a positive int, got {S!r}")
-    return S
+def _check_lengths(T: int, S: int | None) -> tuple[int, int]:
+    T = check_positive_int("T", T)
+    return T, check_positive_int("S", T if S is None else S)
 
 
 def causal_mask(
@@ -129,31 +102,31 @@ def causal_mask(
     S: int | None = None,
     *,
     offset: int | None = None,
-    align: Align = "top_left",
+    align: Align | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
     """Causal mask: query ``i`` (at absolute position ``p_i``) may not see keys ``j > p_i``.
+
+    ``Causal(align=align, offset=offset).materialize(1, 1, T, S)``.
 
     Args:
         T: query length.
         S: key length (defaults to T).
         offset: absolute position of query 0 (KV-cache decoding: the number of cached keys
-            before this chunk). Overrides ``align``.
-        align: ``"top_left"`` (``p_i = i``, PyTorch SDPA's ``is_causal``) or
-            ``"bottom_right"`` (``p_i = i + S - T``, the last query sees every key).
-        device: device of the result.
+            before this chunk), instead of ``align``.
+        align: ``"bottom_right"`` (the default: ``p_i = i + S - T``, the last query sees every
+            key) or ``"top_left"`` (``p_i = i``, PyTorch SDPA's ``is_causal``).
+        device: device of the result (default CPU).
 
     Returns:
         Bool tensor ``[1, 1, T, S]``, True = blocked.
 
     Raises:
-        ValueError: non-positive lengths, unknown ``align``, or ``offset`` with bottom-right.
+        TypeError: lengths or ``offset`` that are not ints.
+        ValueError: non-positive lengths, unknown ``align``, or ``offset`` with ``align``.
     """
-    S = _check_lengths(T, S)
-    q_pos = _query_positions(T, S, offset, align, device)  # [T]
-    k_pos = torch.arange(S, device=device)  # [S]
-    blocked = k_pos[None, :] > q_pos[:, None]  # [T, S]
-    return blocked[None, None]  # [1, 1, T, S]
+    T, S = _check_lengths(T, S)
+    return Causal(align=align, offset=offset).materialize(1, 1, T, S, device)  # [1, 1, T, S]
 
 
 def sliding_window_mask(
@@ -162,33 +135,31 @@ def sliding_window_mask(
     *,
     window: int,
     offset: int | None = None,
-    align: Align = "top_left",
+    align: Align | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
     """Causal sliding-window mask: query at position ``p`` sees keys ``p - window + 1 .. p``.
+
+    ``SlidingWindow(window, align=align, offset=offset).materialize(1, 1, T, S)``.
 
     Args:
         T: query length.
         S: key length (defaults to T).
         window: number of keys each query may see, itself included (``>= 1``).
         offset: absolute position of query 0, as in :func:`causal_mask`.
-        align: as in :func:`causal_mask`.
-        device: device of the result.
+        align: as in :func:`causal_mask` (bottom-right by default).
+        device: device of the result (default CPU).
 
     Returns:
         Bool tensor ``[1, 1, T, S]``, True = blocked.
 
     Raises:
         ValueError: ``window < 1`` or the errors of :func:`causal_mask`.
+        TypeError: a ``window`` that is not an int, or the errors of :func:`causal_mask`.
     """
-    S = _check_lengths(T, S)
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
-    q_pos = _query_positions(T, S, offset, align, device)  # [T]
-    k_pos = torch.arange(S, device=device)  # [S]
-    delta = q_pos[:, None] - k_pos[None, :]  # [T, S]
-    blocked = (delta < 0) | (delta >= window)  # [T, S]
-    return blocked[None, None]  # [1, 1, T, S]
+    T, S = _check_lengths(T, S)
+    rule = SlidingWindow(check_positive_int("window", window), align=align, offset=offset)
+    return rule.materialize(1, 1, T, S, device)  # [1, 1, T, S]
 
 
 def combine(*masks: Tensor | None) -> Tensor | None:

@@ -1,53 +1,35 @@
-"""Structured masks: masks described by a rule instead of a ``[T, S]`` tensor.
+"""Mask rules: masks described by a rule instead of a ``[T, S]`` tensor.
 
-Every object here means the same thing as a bool tensor in qkv's one convention (True = this key
+Every rule here means the same thing as a bool tensor in qkv's one convention (True = this key
 may NOT be attended; see :mod:`qkv.masks`), and :meth:`StructuredMask.materialize` builds that
-tensor. The point of the rule is that the blockwise backend never has to build it: for a tile of
-queries ``[q0, q1)`` by keys ``[k0, k1)`` :meth:`StructuredMask.tile` says "nothing blocked"
+tensor in the rule's own broadcast shape (``Padding`` ``[B, 1, 1, S]``, ``Causal`` ``[1, 1, T,
+S]``, never a full ``[B, H, T, S]``). The tensor builders of :mod:`qkv.masks.builders` are thin
+calls of these rules. The blockwise backend never materializes a rule: for each
+:class:`~qkv.masks.tiles.Tile` :meth:`StructuredMask.tile` says "nothing blocked"
 (:data:`FULL`), "everything blocked" (:data:`EMPTY`, the tile is skipped), or gives the tile's
-own ``[*, *, q1 - q0, k1 - k0]`` mask, from index arithmetic (causal, sliding window), lengths
-(padding), per-tile min/max (document ids), or by evaluating a predicate on the tile's index grid
-only (``mask_mod``, as in PyTorch's FlexAttention).
+own ``[*, *, bq, bk]`` mask, from index arithmetic (causal, sliding window), lengths (padding),
+per-tile min/max (document ids), or by evaluating a predicate on the tile's index grid only
+(``mask_mod``, as in PyTorch's FlexAttention).
 
 Combine rules with ``|`` (a key is blocked if any rule blocks it), e.g.
-``Causal() | Padding(lengths)``.
+``Causal() | Padding(lengths)``; a bool tensor joins with ``|`` as a :class:`Dense` part.
 
-Positions: query ``i`` sits at absolute position ``i + offset``. ``Causal`` and ``SlidingWindow``
-take ``align="bottom_right"`` (default, ``offset = S - T``: the last query sees the last key,
-what a KV cache needs and what ``qkv.attention(is_causal=True)`` does), ``align="top_left"``
-(``offset = 0``, PyTorch SDPA's ``is_causal``), or an explicit ``offset``.
+Alignment of ``Causal`` and ``SlidingWindow``: bottom-right by default, ``align="top_left"`` or an
+explicit ``offset`` (not both); see :mod:`qkv.masks.tiles`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-Align = Literal["top_left", "bottom_right"]
-
-
-class _Sentinel:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-FULL = _Sentinel("FULL")
-"""Tile result: no key in the tile is blocked (compute it without a mask)."""
-EMPTY = _Sentinel("EMPTY")
-"""Tile result: every key in the tile is blocked for every batch and head (skip it)."""
-
-TileMask = Tensor | _Sentinel
-"""What :meth:`StructuredMask.tile` returns: FULL, EMPTY, or a bool tile mask."""
+from qkv.checks import check_positive_int
+from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask, query_offset, resolve_alignment
 
 __all__ = [
-    "EMPTY",
-    "FULL",
+    "AnyOf",
     "Causal",
     "Dense",
     "Documents",
@@ -55,8 +37,6 @@ __all__ = [
     "Padding",
     "SlidingWindow",
     "StructuredMask",
-    "TileMask",
-    "Union",
 ]
 
 
@@ -70,19 +50,15 @@ class StructuredMask:
             ValueError: a size or device that does not match.
         """
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
-        """Mask of queries ``[q0, q1)`` by keys ``[k0, k1)``.
+    def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
+        """The shape :meth:`materialize` returns: ``[1, 1, T, S]`` unless the rule needs more."""
+        return 1, 1, T, S
+
+    def tile(self, tile: Tile) -> TileMask:
+        """Mask of the queries ``[tile.q0, tile.q1)`` by keys ``[tile.k0, tile.k1)``.
+
+        Args:
+            tile: the grid, the tile's bounds and the device.
 
         Returns:
             :data:`FULL`, :data:`EMPTY`, or a bool tensor broadcastable to
@@ -93,43 +69,49 @@ class StructuredMask:
     def materialize(
         self, B: int, H: int, T: int, S: int, device: torch.device | None = None
     ) -> Tensor:
-        """The whole mask as a bool tensor broadcastable to ``[B, H, T, S]``, True = blocked.
+        """The whole mask as a bool tensor, True = blocked.
 
-        This costs ``T * S`` memory; the reference and fused backends use it.
+        Args:
+            B: batch size.
+            H: query heads.
+            T: query length.
+            S: key length.
+            device: device of the result (default CPU).
+
+        Returns:
+            Bool tensor of :meth:`mask_shape` (broadcastable to ``[B, H, T, S]``; a
+            ``mask_mod`` that reads ``b`` or ``h`` widens it to those). Costs ``T * S`` memory
+            at most; the reference and fused backends use it.
+
+        Raises:
+            ValueError: the rule does not fit ``[B, H, T, S]`` on ``device``.
         """
         dev = torch.device("cpu") if device is None else device
         self.validate(B, H, T, S, dev)
-        t = self.tile(B, H, T, S, 0, T, 0, S, dev)
+        shape = self.mask_shape(B, H, T, S)
+        t = self.tile(Tile.whole(B, H, T, S, dev))
         if t is FULL:
-            return torch.zeros(1, 1, T, S, dtype=torch.bool, device=dev)  # [1, 1, T, S]
+            return torch.zeros(shape, dtype=torch.bool, device=dev)  # mask_shape
         if t is EMPTY:
-            return torch.ones(1, 1, T, S, dtype=torch.bool, device=dev)  # [1, 1, T, S]
+            return torch.ones(shape, dtype=torch.bool, device=dev)  # mask_shape
         assert isinstance(t, Tensor)
-        return t.expand(t.shape[0], t.shape[1], T, S)  # [B|1, H|1, T, S]
+        return t.expand(torch.broadcast_shapes(t.shape, shape))  # mask_shape (or wider)
 
-    def __or__(self, other: StructuredMask) -> Union:
+    def __or__(self, other: object) -> AnyOf:
+        if isinstance(other, Tensor):
+            return AnyOf(self, Dense(other))
         if not isinstance(other, StructuredMask):
             return NotImplemented
-        return Union(self, other)
+        return AnyOf(self, other)
+
+    def __ror__(self, other: object) -> AnyOf:
+        if isinstance(other, Tensor):
+            return AnyOf(Dense(other), self)
+        return NotImplemented
 
 
-def _grid(q0: int, q1: int, k0: int, k1: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    q_idx = torch.arange(q0, q1, device=device)[:, None]  # [bq, 1]
-    kv_idx = torch.arange(k0, k1, device=device)[None, :]  # [1, bk]
-    return q_idx, kv_idx
-
-
-def _offset(T: int, S: int, align: Align, offset: int | None) -> int:
-    if offset is not None:
-        return offset
-    return 0 if align == "top_left" else S - T
-
-
-def _check_align(align: object, offset: object) -> None:
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
-    if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)):
-        raise TypeError(f"offset must be an int or None, got {offset!r}")
+def _position_repr(align: Align | None, offset: int | None) -> str:
+    return f"offset={offset}" if offset is not None else f"align={align!r}"
 
 
 class SlidingWindow(StructuredMask):
@@ -137,52 +119,36 @@ class SlidingWindow(StructuredMask):
 
     Args:
         window: keys each query may see, itself included (``>= 1``), or None for plain causal.
-        align: ``"bottom_right"`` (default) or ``"top_left"``; see the module docstring.
-        offset: absolute position of query 0; overrides ``align``.
+        align: ``"bottom_right"`` (the default) or ``"top_left"``; see :mod:`qkv.masks.tiles`.
+        offset: absolute position of query 0, instead of ``align``.
 
     Raises:
-        ValueError: ``window < 1`` or an unknown ``align``.
-        TypeError: a non-int ``offset``.
+        ValueError: ``window < 1``, an unknown ``align``, or ``offset`` with ``align``.
+        TypeError: a ``window`` or ``offset`` that is not an int.
     """
 
     def __init__(
-        self, window: int | None, *, align: Align = "bottom_right", offset: int | None = None
+        self, window: int | None, *, align: Align | None = None, offset: int | None = None
     ) -> None:
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
-        _check_align(align, offset)
-        self.window = window
-        self.align: Align = align
-        self.offset = offset
+        self.window = None if window is None else check_positive_int("window", window)
+        self.align, self.offset = resolve_alignment(align, offset)
 
     def __repr__(self) -> str:
-        where = f"offset={self.offset}" if self.offset is not None else f"align={self.align!r}"
+        where = _position_repr(self.align, self.offset)
         return f"{type(self).__name__}(window={self.window}, {where})"
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
-        off = _offset(T, S, self.align, self.offset)
+    def tile(self, tile: Tile) -> TileMask:
+        off = query_offset(tile.T, tile.S, self.align, self.offset)
         # delta = query position - key position; allowed iff 0 <= delta < window.
-        lo = q0 + off - (k1 - 1)  # smallest delta in the tile
-        hi = q1 - 1 + off - k0  # largest delta in the tile
+        lo = tile.q0 + off - (tile.k1 - 1)  # smallest delta in the tile
+        hi = tile.q1 - 1 + off - tile.k0  # largest delta in the tile
         w = self.window
         if hi < 0 or (w is not None and lo >= w):
             return EMPTY
         if lo >= 0 and (w is None or hi < w):
             return FULL
-        q_idx, kv_idx = _grid(q0, q1, k0, k1, device)
-        delta = q_idx + off - kv_idx  # [bq, bk]
-        blocked = delta < 0
+        delta = tile.q_index()[:, None] + off - tile.k_index()[None, :]  # [bq, bk]
+        blocked = delta < 0  # [bq, bk]
         if w is not None:
             blocked = blocked | (delta >= w)  # [bq, bk]
         return blocked[None, None]  # [1, 1, bq, bk]
@@ -192,17 +158,20 @@ class Causal(SlidingWindow):
     """Causal mask: query at position ``p`` may not see keys after ``p``.
 
     Args:
-        align: ``"bottom_right"`` (default, as ``qkv.attention(is_causal=True)``) or
+        align: ``"bottom_right"`` (the default, as ``qkv.attention(is_causal=True)``) or
             ``"top_left"`` (as PyTorch SDPA's ``is_causal``).
-        offset: absolute position of query 0 (number of cached keys); overrides ``align``.
+        offset: absolute position of query 0 (number of cached keys), instead of ``align``.
+
+    Raises:
+        ValueError: an unknown ``align``, or ``offset`` with ``align``.
+        TypeError: an ``offset`` that is not an int.
     """
 
-    def __init__(self, *, align: Align = "bottom_right", offset: int | None = None) -> None:
+    def __init__(self, *, align: Align | None = None, offset: int | None = None) -> None:
         super().__init__(None, align=align, offset=offset)
 
     def __repr__(self) -> str:
-        where = f"offset={self.offset}" if self.offset is not None else f"align={self.align!r}"
-        return f"Causal({where})"
+        return f"Causal({_position_repr(self.align, self.offset)})"
 
 
 def _check_int_tensor(name: str, x: object, dims: int) -> Tensor:
@@ -215,50 +184,91 @@ def _check_int_tensor(name: str, x: object, dims: int) -> Tensor:
     return x
 
 
+def _check_padding_input(x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"lengths_or_is_pad must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype == torch.bool:
+        if x.dim() != 2:
+            raise ValueError(
+                f"a bool padding mask must be [B, S] (True = padding), got shape {tuple(x.shape)}"
+            )
+        return x
+    if x.is_floating_point() or x.is_complex():
+        raise TypeError(
+            f"lengths must be an integer tensor [B], got {x.dtype}; for an additive float mask "
+            "use qkv.masks.from_additive"
+        )
+    if x.dim() != 1:
+        raise TypeError(
+            f"integer padding input must be lengths [B], got shape {tuple(x.shape)}; "
+            "a Hugging Face attention_mask [B, S] (1 = keep) goes through qkv.masks.from_hf"
+        )
+    return x
+
+
 class Padding(StructuredMask):
-    """Key padding by lengths: in sample ``b`` keys ``>= lengths[b]`` are blocked.
+    """Key padding, given by lengths or by a bool ``is_pad`` tensor (the same two forms as
+    :func:`qkv.masks.padding_mask`).
 
     Args:
-        lengths: integer tensor ``[B]`` of valid key lengths, each in ``[0, S]``.
+        lengths_or_is_pad: an integer tensor ``[B]`` of valid key lengths, each in ``[0, S]``
+            (in sample ``b`` keys ``>= lengths[b]`` are blocked), or a bool tensor ``[B, S]``
+            with True at padding positions (the ``key_padding_mask`` sense of
+            ``nn.MultiheadAttention``).
 
     Raises:
-        TypeError: ``lengths`` is not a 1-D integer tensor.
+        TypeError: not a tensor; a float tensor; an integer tensor that is not 1-D (a Hugging
+            Face ``attention_mask`` goes through :func:`qkv.masks.from_hf`).
+        ValueError: a bool tensor that is not 2-D.
     """
 
-    def __init__(self, lengths: Tensor) -> None:
-        self.lengths = _check_int_tensor("lengths", lengths, 1)
-        self._min = int(lengths.min()) if lengths.numel() else 0
-        self._max = int(lengths.max()) if lengths.numel() else 0
+    def __init__(self, lengths_or_is_pad: Tensor) -> None:
+        x = _check_padding_input(lengths_or_is_pad)
+        self.is_pad: Tensor | None = x if x.dtype == torch.bool else None
+        self.lengths: Tensor | None = None if x.dtype == torch.bool else x
+        self._min = int(x.min()) if self.lengths is not None and x.numel() else 0
+        self._max = int(x.max()) if self.lengths is not None and x.numel() else 0
 
     def __repr__(self) -> str:
-        return f"Padding(lengths={self.lengths.tolist()})"
+        if self.lengths is not None:
+            return f"Padding(lengths={self.lengths.tolist()})"
+        assert self.is_pad is not None
+        return f"Padding(is_pad {list(self.is_pad.shape)})"
+
+    def _tensor(self) -> Tensor:
+        x = self.lengths if self.lengths is not None else self.is_pad
+        assert x is not None
+        return x
 
     def validate(self, B: int, H: int, T: int, S: int, device: torch.device) -> None:
-        if self.lengths.shape[0] != B:
-            raise ValueError(f"Padding lengths has B={self.lengths.shape[0]}, expected B={B}")
-        if self._min < 0 or self._max > S:
-            raise ValueError(f"Padding lengths must lie in [0, S={S}], got {self.lengths.tolist()}")
-        if self.lengths.device != device:
-            raise ValueError(f"Padding lengths is on {self.lengths.device}, query on {device}")
+        x = self._tensor()
+        what = "lengths" if self.lengths is not None else "is_pad"
+        if x.shape[0] != B:
+            raise ValueError(f"Padding {what} has B={x.shape[0]}, expected B={B}")
+        if self.is_pad is not None and self.is_pad.shape[1] != S:
+            raise ValueError(f"Padding is_pad has S={self.is_pad.shape[1]}, expected S={S}")
+        if self.lengths is not None and (self._min < 0 or self._max > S):
+            raise ValueError(f"Padding lengths must lie in [0, S={S}], got {x.tolist()}")
+        if x.device != device:
+            raise ValueError(f"Padding {what} is on {x.device}, query on {device}")
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
-        if k0 >= self._max:
-            return EMPTY
-        if k1 <= self._min:
-            return FULL
-        kv_idx = torch.arange(k0, k1, device=device)  # [bk]
-        blocked = kv_idx[None, :] >= self.lengths[:, None]  # [B, bk]
+    def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
+        return B, 1, 1, S
+
+    def tile(self, tile: Tile) -> TileMask:
+        if self.is_pad is not None:
+            blocked = self.is_pad[:, tile.k0 : tile.k1]  # [B, bk]
+            if bool(blocked.all()):
+                return EMPTY
+            if not bool(blocked.any()):
+                return FULL
+        else:
+            assert self.lengths is not None
+            if tile.k0 >= self._max:
+                return EMPTY
+            if tile.k1 <= self._min:
+                return FULL
+            blocked = tile.k_index()[None, :] >= self.lengths[:, None]  # [B, bk]
         return blocked[:, None, None, :]  # [B, 1, 1, bk]
 
 
@@ -272,7 +282,8 @@ class Documents(StructuredMask):
             correct, unsorted ones just skip fewer tiles.
 
     Raises:
-        TypeError: ids that are not 2-D integer tensors.
+        TypeError: ids that are not integer tensors.
+        ValueError: ids that are not 2-D.
     """
 
     def __init__(self, q_ids: Tensor, kv_ids: Tensor | None = None) -> None:
@@ -291,20 +302,12 @@ class Documents(StructuredMask):
             if ids.device != device:
                 raise ValueError(f"Documents {name} is on {ids.device}, query on {device}")
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
-        qd = self.q_ids[:, q0:q1]  # [B, bq]
-        kd = self.kv_ids[:, k0:k1]  # [B, bk]
+    def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
+        return B, 1, T, S
+
+    def tile(self, tile: Tile) -> TileMask:
+        qd = self.q_ids[:, tile.q0 : tile.q1]  # [B, bq]
+        kd = self.kv_ids[:, tile.k0 : tile.k1]  # [B, bk]
         q_lo, q_hi = qd.amin(dim=1), qd.amax(dim=1)  # [B]
         k_lo, k_hi = kd.amin(dim=1), kd.amax(dim=1)  # [B]
         if bool(((q_hi < k_lo) | (k_hi < q_lo)).all()):
@@ -316,6 +319,15 @@ class Documents(StructuredMask):
 
 
 ModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _classify(blocked: Tensor) -> TileMask:
+    """EMPTY if every key of the tile is blocked, FULL if none is, else the tile itself."""
+    if bool(blocked.all()):
+        return EMPTY
+    if not bool(blocked.any()):
+        return FULL
+    return blocked
 
 
 class MaskMod(StructuredMask):
@@ -335,7 +347,7 @@ class MaskMod(StructuredMask):
         name: shown in explanations; default the function's ``__name__``.
 
     Raises:
-        TypeError: ``mask_mod`` is not callable.
+        TypeError: ``mask_mod`` is not callable, or returns something other than a bool tensor.
     """
 
     def __init__(self, mask_mod: ModFn, *, name: str | None = None) -> None:
@@ -347,22 +359,12 @@ class MaskMod(StructuredMask):
     def __repr__(self) -> str:
         return f"MaskMod({self.name})"
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
-        b = torch.arange(B, device=device)[:, None, None, None]  # [B, 1, 1, 1]
-        h = torch.arange(H, device=device)[None, :, None, None]  # [1, H, 1, 1]
-        q_idx = torch.arange(q0, q1, device=device)[None, None, :, None]  # [1, 1, bq, 1]
-        kv_idx = torch.arange(k0, k1, device=device)[None, None, None, :]  # [1, 1, 1, bk]
+    def tile(self, tile: Tile) -> TileMask:
+        dev = tile.device
+        b = torch.arange(tile.B, device=dev)[:, None, None, None]  # [B, 1, 1, 1]
+        h = torch.arange(tile.H, device=dev)[None, :, None, None]  # [1, H, 1, 1]
+        q_idx = tile.q_index()[None, None, :, None]  # [1, 1, bq, 1]
+        kv_idx = tile.k_index()[None, None, None, :]  # [1, 1, 1, bk]
         keep = self.mask_mod(b, h, q_idx, kv_idx)
         if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
             got = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
@@ -370,15 +372,19 @@ class MaskMod(StructuredMask):
         blocked = ~keep  # [B|1, H|1, bq|1, bk|1]
         if blocked.dim() != 4:
             blocked = blocked.reshape((1,) * (4 - blocked.dim()) + tuple(blocked.shape))
-        if bool(blocked.all()):
-            return EMPTY
-        if not bool(blocked.any()):
-            return FULL
-        return blocked.expand(blocked.shape[0], blocked.shape[1], q1 - q0, k1 - k0)
+        bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
+        return _classify(blocked.expand(blocked.shape[0], blocked.shape[1], bq, bk))
 
 
-class Union(StructuredMask):
-    """Blocked wherever any part blocks (build it with ``a | b``)."""
+class AnyOf(StructuredMask):
+    """Blocked wherever any part blocks (build it with ``a | b``).
+
+    Args:
+        *parts: the rules to combine; nested ``AnyOf`` parts are flattened.
+
+    Raises:
+        TypeError: a part that is not a :class:`StructuredMask`.
+    """
 
     parts: tuple[StructuredMask, ...]
 
@@ -386,8 +392,8 @@ class Union(StructuredMask):
         flat: list[StructuredMask] = []
         for p in parts:
             if not isinstance(p, StructuredMask):
-                raise TypeError(f"Union parts must be StructuredMask, got {type(p).__name__}")
-            flat.extend(p.parts if isinstance(p, Union) else [p])
+                raise TypeError(f"AnyOf parts must be StructuredMask, got {type(p).__name__}")
+            flat.extend(p.parts if isinstance(p, AnyOf) else [p])
         self.parts = tuple(flat)
 
     def __repr__(self) -> str:
@@ -397,21 +403,14 @@ class Union(StructuredMask):
         for p in self.parts:
             p.validate(B, H, T, S, device)
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
+    def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
+        shape = torch.broadcast_shapes(*(p.mask_shape(B, H, T, S) for p in self.parts))
+        return shape[0], shape[1], shape[2], shape[3]
+
+    def tile(self, tile: Tile) -> TileMask:
         tiles = []
         for p in self.parts:
-            t = p.tile(B, H, T, S, q0, q1, k0, k1, device)
+            t = p.tile(tile)
             if t is EMPTY:
                 return EMPTY
             if t is not FULL:
@@ -429,7 +428,7 @@ class Union(StructuredMask):
 
 
 class Dense(StructuredMask):
-    """A bool tensor mask (qkv's convention) seen tile by tile, so it can join a :class:`Union`.
+    """A bool tensor mask (qkv's convention) seen tile by tile, so it can join an :class:`AnyOf`.
 
     The tensor already exists, so nothing is saved in memory; tiles that are all True are still
     skipped by the blockwise backend.
@@ -452,24 +451,15 @@ class Dense(StructuredMask):
     def __repr__(self) -> str:
         return f"Dense({list(self.mask.shape)})"
 
-    def tile(
-        self,
-        B: int,
-        H: int,
-        T: int,
-        S: int,
-        q0: int,
-        q1: int,
-        k0: int,
-        k1: int,
-        device: torch.device,
-    ) -> TileMask:
+    def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
+        return self.mask.shape[0], self.mask.shape[1], T, S
+
+    def tile(self, tile: Tile) -> TileMask:
         m = self.mask
-        qs = slice(q0, q1) if m.shape[2] != 1 else slice(None)
-        ks = slice(k0, k1) if m.shape[3] != 1 else slice(None)
-        t = m[:, :, qs, ks]  # [B|1, H|1, bq|1, bk|1]
-        if bool(t.all()):
-            return EMPTY
-        if not bool(t.any()):
-            return FULL
-        return t
+        qs = slice(tile.q0, tile.q1) if m.shape[2] != 1 else slice(None)
+        ks = slice(tile.k0, tile.k1) if m.shape[3] != 1 else slice(None)
+        return _classify(m[:, :, qs, ks])  # [B|1, H|1, bq|1, bk|1]
+
+
+Union = AnyOf
+"""Deprecated alias of :class:`AnyOf` (it shadowed ``typing.Union``); kept for one release."""
