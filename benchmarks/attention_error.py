@@ -44,11 +44,13 @@ def masks() -> dict[str, Tensor | None]:
     return {
         "none": None,
         "padding": pad,
-        "causal_top_left": causal_mask(T, S),
+        "causal_top_left": causal_mask(T, S, align="top_left"),
         "causal_bottom_right": causal_mask(T, S, align="bottom_right"),
         "causal_offset": causal_mask(T, S, offset=2),
         "sliding_window": sliding_window_mask(T, S, window=3, align="bottom_right"),
-        "combined": combine(pad, causal_mask(T, S, offset=1), sliding_window_mask(T, S, window=4)),
+        "combined": combine(
+            pad, causal_mask(T, S, offset=1), sliding_window_mask(T, S, window=4, align="top_left")
+        ),
         "random_4d": rand,
     }
 

@@ -7,6 +7,7 @@ implementation computed entirely in that precision.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -51,11 +52,13 @@ def make_masks() -> dict[str, Tensor | None]:
     return {
         "none": None,
         "padding": pad,
-        "causal_top_left": causal_mask(T, S),
+        "causal_top_left": causal_mask(T, S, align="top_left"),
         "causal_bottom_right": causal_mask(T, S, align="bottom_right"),
         "causal_offset": causal_mask(T, S, offset=2),
         "sliding_window": sliding_window_mask(T, S, window=3, align="bottom_right"),
-        "combined": combine(pad, causal_mask(T, S, offset=1), sliding_window_mask(T, S, window=4)),
+        "combined": combine(
+            pad, causal_mask(T, S, offset=1), sliding_window_mask(T, S, window=4, align="top_left")
+        ),
         "random_4d": torch.rand(B, H, T, S) > 0.6,
     }
 
@@ -376,3 +379,40 @@ def test_accepts_unambiguous_short_masks() -> None:
     torch.testing.assert_close(
         sdpa(q1, k1, v1, row)[0], sdpa(q1, k1, v1, row[None, None])[0], atol=0, rtol=0
     )
+
+
+# --- one signature, resolved in one place -----------------------------------------------------
+
+
+def test_attention_and_explain_backend_share_one_signature() -> None:
+    got = inspect.signature(qkv.explain_backend).parameters
+    want = inspect.signature(qkv.attention).parameters
+    assert got == want  # names, kinds, defaults and annotations
+    assert "block_q" in got and "block_k" in got and "bias" in got
+    assert inspect.signature(qkv.explain_backend).return_annotation in (str, "str")
+    with pytest.raises(TypeError):
+        qkv.explain_backend(*_inputs(torch.float32), masks=None)  # type: ignore[call-arg]
+
+
+def test_bias_is_a_deprecated_alias_of_attn_bias() -> None:
+    q, k, v = _inputs(torch.float32)
+    attn_bias = torch.randn(1, H, T, S)
+    want, _ = qkv.attention(q, k, v, attn_bias=attn_bias, backend="reference")
+    with pytest.warns(DeprecationWarning, match="use attn_bias="):
+        got, _ = qkv.attention(q, k, v, bias=attn_bias, backend="reference")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="use attn_bias="):
+        why = qkv.explain_backend(q, k, v, bias=attn_bias)
+    assert why == qkv.explain_backend(q, k, v, attn_bias=attn_bias)
+    for fn in (qkv.attention, qkv.explain_backend):
+        with pytest.raises(TypeError, match="both attn_bias and its deprecated alias bias"):
+            fn(q, k, v, attn_bias=attn_bias, bias=attn_bias)
+
+
+def test_explain_backend_checks_block_sizes_like_attention() -> None:
+    q, k, v = _inputs(torch.float32)
+    for fn in (qkv.attention, qkv.explain_backend):
+        with pytest.raises(ValueError, match="block_k must be a positive int, got 0"):
+            fn(q, k, v, backend="blockwise", block_k=0)
+        with pytest.raises(TypeError, match="block_q must be an int"):
+            fn(q, k, v, backend="blockwise", block_q=2.0)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.backends import blockwise, dispatch
 from qkv.masks import Causal, MaskMod, Padding, SlidingWindow
 
 
@@ -75,3 +76,45 @@ def test_multihead_passes_its_backend(backend: str) -> None:
     mha.backend = "reference"
     ref, _ = mha(x, need_weights=False, is_causal=True)
     torch.testing.assert_close(out, ref)
+
+
+def test_explanation_counts_the_calls_own_blocks() -> None:
+    default = qkv.explain_backend(*_qkv(4096, 4096), mask=Causal())
+    assert "of 128 tiles" in default  # 16 x 8 tiles of 256 x 512
+    small = qkv.explain_backend(*_qkv(4096, 4096), mask=Causal(), block_q=512, block_k=512)
+    assert "28 of 64 tiles (44%)" in small
+
+
+def test_blockwise_runs_the_plan_dispatch_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto plans the tiles once: blockwise takes the dispatcher's plan instead of replanning."""
+    calls: list[int] = []
+    real = blockwise.plan_tiles
+
+    def counting(*args: object, **kwargs: object) -> blockwise.TilePlan:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(blockwise, "plan_tiles", counting)
+    monkeypatch.setattr(dispatch, "plan_tiles", counting)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 1024, 8, generator=g) for _ in range(3))
+    kw: dict[str, object] = {"mask": Causal(), "block_q": 128, "block_k": 128}
+    assert qkv.explain_backend(q, k, v, **kw).startswith("blockwise:")  # type: ignore[arg-type]
+    calls.clear()
+    out, _ = qkv.attention(q, k, v, **kw)  # type: ignore[arg-type]
+    assert len(calls) == 1
+    want, _ = qkv.attention(q, k, v, backend="reference", **kw)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1.3e-6)
+    calls.clear()
+    qkv.attention(q, k, v, backend="blockwise", **kw)  # type: ignore[arg-type]
+    assert len(calls) == 1  # a forced blockwise call plans in the backend, once
+
+
+def test_a_plan_for_another_mask_is_refused() -> None:
+    q, k, v = (torch.randn(1, 1, 8, 4) for _ in range(3))
+    mask = Causal()
+    plan = blockwise.plan_tiles(mask, 1, 1, 8, 8, 4, 4, q.device)
+    with pytest.raises(ValueError, match="plan was made for"):
+        blockwise.blockwise_attention(q, k, v, Causal(), None, 0.5, 0.0, False, plan=plan)
+    with pytest.raises(ValueError, match="block_q=2 but the tile plan was made with block_q=4"):
+        blockwise.blockwise_attention(q, k, v, mask, None, 0.5, 0.0, False, block_q=2, plan=plan)
