@@ -10,14 +10,16 @@ from __future__ import annotations
 __all__ = ["check_bool", "check_nonnegative_int", "check_positive_int", "check_probability"]
 
 
-def _check_int(name: str, value: object) -> int:
+def _check_int_from(lowest: int, what: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < lowest:
+        raise ValueError(f"{name} must be a {what} int, got {value}")
     return value
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Accept an int ``>= 1``.
+    """Accept an int ``>= 1`` (a length, a width, a number of heads or layers).
 
     Args:
         name: the argument's name, for the message.
@@ -30,45 +32,18 @@ def check_positive_int(name: str, value: object) -> int:
         TypeError: ``value`` is not an int, or is a bool.
         ValueError: ``value < 1``.
     """
-    n = _check_int(name, value)
-    if n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n}")
-    return n
+    return _check_int_from(1, "positive", name, value)
 
 
 def check_nonnegative_int(name: str, value: object) -> int:
-    """Accept an int ``>= 0``.
-
-    Args:
-        name: the argument's name, for the message.
-        value: the value to check.
-
-    Returns:
-        ``value``, unchanged.
-
-    Raises:
-        TypeError: ``value`` is not an int, or is a bool.
-        ValueError: ``value < 0``.
-    """
-    n = _check_int(name, value)
-    if n < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {n}")
-    return n
+    """As :func:`check_positive_int`, but 0 is accepted too (an offset, a count that may be
+    empty); raises TypeError / ValueError (``value < 0``) alike and returns ``value``."""
+    return _check_int_from(0, "non-negative", name, value)
 
 
 def check_bool(name: str, value: object) -> bool:
-    """Accept ``True`` or ``False`` (not ``0``, ``1`` or a tensor).
-
-    Args:
-        name: the argument's name, for the message.
-        value: the value to check.
-
-    Returns:
-        ``value``, unchanged.
-
-    Raises:
-        TypeError: ``value`` is not a bool.
-    """
+    """Return ``value`` if it is ``True`` or ``False``; raise TypeError naming ``name`` for
+    anything else (``0``, ``1``, a numpy or tensor bool), which ``if value:`` would accept."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value

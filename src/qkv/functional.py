@@ -233,29 +233,29 @@ class _Call:
     need_weights: bool
     dropout_p: float
     training: bool
+    block_q: int | None
+    block_k: int | None
     choice: BackendChoice | None
     refusal: str | None
 
 
-def _resolve(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    mask: Tensor | StructuredMask | None,
-    attn_bias: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    need_weights: bool,
-    dropout_p: float,
-    training: bool,
-    backend: Backend,
-    block_q: int | None,
-    block_k: int | None,
-    bias: Tensor | None,
-) -> _Call:
-    """Validate the arguments of :func:`attention` and choose its backend: the one place both
-    :func:`attention` and :func:`explain_backend` resolve a call."""
+def _resolve(args: dict[str, Any]) -> _Call:
+    """Validate the arguments of one :func:`attention` call and choose its backend.
+
+    The one place both :func:`attention` and :func:`explain_backend` resolve a call.
+
+    Args:
+        args: every parameter of :func:`attention` by name, defaults applied.
+
+    Returns:
+        The resolved call.
+
+    Raises:
+        TypeError / ValueError: the input errors listed in :func:`attention`.
+    """
+    query, key, value, mask = args["query"], args["key"], args["value"], args["mask"]
+    attn_bias, bias, backend = args["attn_bias"], args["bias"], args["backend"]
+    block_q, block_k, scale = args["block_q"], args["block_k"], args["scale"]
     if bias is not None:
         if attn_bias is not None:
             raise TypeError("got both attn_bias and its deprecated alias bias; pass attn_bias")
@@ -266,7 +266,7 @@ def _resolve(
         )
         attn_bias = bias
     validate_qkv(query, key, value, allow_gqa=True)
-    p = check_probability("dropout_p", dropout_p)
+    p = check_probability("dropout_p", args["dropout_p"])
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if block_q is not None:
@@ -294,8 +294,8 @@ def _resolve(
             key,
             mask=mask,
             attn_bias=attn_bias,
-            is_causal=is_causal,
-            need_weights=need_weights,
+            is_causal=args["is_causal"],
+            need_weights=args["need_weights"],
             block_q=block_q,
             block_k=block_k,
         )
@@ -307,17 +307,19 @@ def _resolve(
         value,
         mask,
         attn_bias,
-        is_causal,
+        args["is_causal"],
         scale,
-        need_weights,
+        args["need_weights"],
         p,
-        training,
+        args["training"],
+        block_q,
+        block_k,
         choice,
         refusal,
     )
 
 
-def _run(call: _Call, block_q: int | None, block_k: int | None) -> tuple[Tensor, Tensor | None]:
+def _run(call: _Call) -> tuple[Tensor, Tensor | None]:
     """Run a resolved call on its backend."""
     if call.choice is None:
         raise ValueError(call.refusal)
@@ -332,8 +334,8 @@ def _run(call: _Call, block_q: int | None, block_k: int | None) -> tuple[Tensor,
             call.scale,
             call.dropout_p,
             call.training,
-            block_q=block_q,
-            block_k=block_k,
+            block_q=call.block_q,
+            block_k=call.block_k,
             plan=call.choice.plan,
         )
         return out, None
@@ -348,11 +350,11 @@ def _run(call: _Call, block_q: int | None, block_k: int | None) -> tuple[Tensor,
             v,
             mask,
             call.attn_bias,
-            call.scale,
-            call.dropout_p,
-            call.training,
-            call.is_causal,
-        )
+            is_causal=call.is_causal,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            training=call.training,
+        )  # [B, H, T, Dv]
         return out, None
     if call.is_causal:
         mask = combine(mask, causal_mask(T, S, device=q.device))  # [B|1, H|1, T, S]
@@ -421,23 +423,9 @@ def attention(
             not broadcast, an unknown backend, a non-positive scale or block size, a structured
             mask that does not fit, ``need_weights`` with the fused or blockwise backend.
     """
-    call = _resolve(
-        query,
-        key,
-        value,
-        mask=mask,
-        attn_bias=attn_bias,
-        is_causal=is_causal,
-        scale=scale,
-        need_weights=need_weights,
-        dropout_p=dropout_p,
-        training=training,
-        backend=backend,
-        block_q=block_q,
-        block_k=block_k,
-        bias=bias,
-    )
-    return _run(call, block_q, block_k)
+    # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
+    # parameters above are the one list of them (explain_backend binds the same names).
+    return _run(_resolve(locals()))
 
 
 _P = ParamSpec("_P")
@@ -477,8 +465,7 @@ def explain_backend(*args: Any, **kwargs: Any) -> str:
     """
     bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
-    query, key, value = (bound.arguments.pop(name) for name in ("query", "key", "value"))
-    call = _resolve(query, key, value, **bound.arguments)
+    call = _resolve(bound.arguments)
     if call.choice is None:
         return f"no backend: {call.refusal} (attention() raises ValueError)"
     return f"{call.choice.backend}: {call.choice.reason}"

@@ -27,16 +27,8 @@ from torch import Tensor
 
 from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
 from qkv.backends.fused import uses_sdpa_is_causal
-from qkv.masks import (
-    AnyOf,
-    Causal,
-    Dense,
-    Documents,
-    MaskMod,
-    Padding,
-    SlidingWindow,
-    StructuredMask,
-)
+from qkv.masks import StructuredMask
+from qkv.masks.rules import AnyOf, Causal, Dense, Documents, MaskMod, Padding, SlidingWindow
 
 BLOCKWISE_MIN_PAIRS = 1024 * 1024
 """Below this many query-key pairs blockwise's Python tile loop costs more than it skips."""

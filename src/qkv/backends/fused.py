@@ -41,10 +41,11 @@ def fused_attention(
     value: Tensor,
     mask: Tensor | None,
     attn_bias: Tensor | None,
+    *,
+    is_causal: bool,
     scale: float,
     dropout_p: float,
     training: bool,
-    is_causal: bool,
 ) -> Tensor:
     """Attention through SDPA; see :func:`qkv.attention` for the contract.
 
@@ -54,10 +55,10 @@ def fused_attention(
         value: ``[B, Hkv, S, Dv]``.
         mask: bool broadcastable to ``[B, H, T, S]``, True = blocked, or None.
         attn_bias: float broadcastable to ``[B, H, T, S]``, or None.
+        is_causal: also block future keys, bottom-right aligned.
         scale: multiplies the scores.
         dropout_p: dropout on the weights (only when ``training``).
         training: apply dropout.
-        is_causal: also block future keys, bottom-right aligned.
 
     Returns:
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.

@@ -34,7 +34,7 @@ from qkv.masks.rules import (
 )
 from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask
 
-__all__ = [
+__all__ = [  # Union, the deprecated alias of AnyOf, is left out so that * does not warn
     "EMPTY",
     "FULL",
     "Align",
@@ -48,7 +48,6 @@ __all__ = [
     "StructuredMask",
     "Tile",
     "TileMask",
-    "Union",
     "causal_mask",
     "combine",
     "from_additive",

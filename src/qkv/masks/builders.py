@@ -1,17 +1,9 @@
 """Attention masks: builders and converters between conventions.
 
 **The one internal convention.** Inside qkv a mask is a ``torch.bool`` tensor broadcastable to
-``[B, H, T, S]`` in which ``True`` means *this key may NOT be attended* ("blocked"). Everything
-else is converted at the edge with the named converters below:
-
-================================  ==================  ==========================================
-convention                        meaning of a value  converter into / out of qkv
-================================  ==================  ==========================================
-PyTorch SDPA bool ``attn_mask``   True = may attend   :func:`from_sdpa_bool` / :func:`to_sdpa_bool`
-``nn.MultiheadAttention`` bool    True = ignore       :func:`from_mha_bool` / :func:`to_mha_bool`
-Hugging Face ``attention_mask``   1 = keep, 0 = pad   :func:`from_hf` / :func:`to_hf`
-additive float mask               0 keep, -inf block  :func:`from_additive` / :func:`to_additive`
-================================  ==================  ==========================================
+``[B, H, T, S]`` in which ``True`` means *this key may NOT be attended* ("blocked"). Every other
+convention (PyTorch SDPA's, ``nn.MultiheadAttention``'s, Hugging Face's, additive float masks) is
+converted at the edge by the named converters of :mod:`qkv.masks.convert`.
 
 Every builder here returns a 4-D tensor (``[B, 1, 1, S]`` for padding, ``[1, 1, T, S]`` for
 causal and sliding-window masks), so that no mask built by qkv relies on right-aligned

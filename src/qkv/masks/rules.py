@@ -28,17 +28,6 @@ from torch import Tensor
 from qkv.checks import check_positive_int
 from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask, query_offset, resolve_alignment
 
-__all__ = [
-    "AnyOf",
-    "Causal",
-    "Dense",
-    "Documents",
-    "MaskMod",
-    "Padding",
-    "SlidingWindow",
-    "StructuredMask",
-]
-
 
 class StructuredMask:
     """Base class: a mask in qkv's convention given by a rule, tile by tile."""
