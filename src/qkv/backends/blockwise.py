@@ -385,7 +385,8 @@ def blockwise_attention(
         v = expand_kv_heads(value.to(work), H)  # [B, H, S, Dv]
         b4 = None
         if attn_bias is not None:
-            b4 = attn_bias.to(work).reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+            lead = (1,) * (4 - attn_bias.dim())
+            b4 = attn_bias.to(work).reshape(lead + tuple(attn_bias.shape))  # [B|1, H|1, T|1, S|1]
         out = _BlockwiseFunction.apply(q, k, v, b4, c)
     assert isinstance(out, Tensor)
     return out.to(out_dtype)

@@ -76,7 +76,8 @@ def blockwise_mask(mask: Tensor | StructuredMask | None, is_causal: bool) -> Str
     """
     structured: StructuredMask | None
     if isinstance(mask, Tensor):
-        structured = Dense(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)))
+        dense = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [B|1, H|1, T|1, S]
+        structured = Dense(dense)
     else:
         structured = mask
     if is_causal:

@@ -360,7 +360,8 @@ class MaskMod(StructuredMask):
             raise TypeError(f"mask_mod {self.name} must return a bool tensor, got {got}")
         blocked = ~keep  # [B|1, H|1, bq|1, bk|1]
         if blocked.dim() != 4:
-            blocked = blocked.reshape((1,) * (4 - blocked.dim()) + tuple(blocked.shape))
+            lead = (1,) * (4 - blocked.dim())
+            blocked = blocked.reshape(lead + tuple(blocked.shape))  # [B|1, H|1, bq|1, bk|1]
         bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
         return _classify(blocked.expand(blocked.shape[0], blocked.shape[1], bq, bk))
 
