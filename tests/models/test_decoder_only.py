@@ -16,7 +16,7 @@ def _model(**overrides: object) -> DecoderOnlyLM:
         "num_layers": 2,
         "dim_feedforward": 32,
         "dropout": 0.0,
-        "max_len": 32,
+        "max_positions": 32,
     }
     kw.update(overrides)
     return DecoderOnlyLM(DecoderOnlyConfig(**kw)).eval()  # type: ignore[arg-type]
@@ -49,10 +49,10 @@ def test_cached_decoding_equals_full_forward(positional: str, num_kv_heads: int 
         out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(model.generate(prompt, n, greedy=True), out)
     cache = model.new_cache()
-    first = model(prompt, cache=cache)[:, -1]
+    first = model(prompt, kv_cache=cache)[:, -1]
     torch.testing.assert_close(first, steps[0], atol=ATOL, rtol=RTOL)
     for t in range(1, n):
-        step = model(out[:, 3 + t : 4 + t], cache=cache)[:, -1]
+        step = model(out[:, 3 + t : 4 + t], kv_cache=cache)[:, -1]
         torch.testing.assert_close(step, steps[t], atol=ATOL, rtol=RTOL, msg=f"step {t}")
     assert cache.length == 4 + n - 1
 
@@ -61,8 +61,8 @@ def test_chunked_prefill_equals_one_pass() -> None:
     model = _model()
     ids = torch.randint(0, 17, (2, 9))
     cache = model.new_cache()
-    parts = [model(ids[:, :3], cache=cache), model(ids[:, 3:7], cache=cache),
-             model(ids[:, 7:], cache=cache)]  # fmt: skip
+    parts = [model(ids[:, :3], kv_cache=cache), model(ids[:, 3:7], kv_cache=cache),
+             model(ids[:, 7:], kv_cache=cache)]  # fmt: skip
     torch.testing.assert_close(torch.cat(parts, 1), model(ids), atol=ATOL, rtol=RTOL)
 
 
@@ -89,9 +89,9 @@ def test_padded_batch_equals_each_sequence_alone(positional: str) -> None:
                                    rtol=RTOL)  # fmt: skip
     # padding stays blocked in the cache: decoding after a padded chunk
     cache = model.new_cache()
-    model(ids, cache=cache)
+    model(ids, kv_cache=cache)
     nxt = torch.randint(1, 17, (3, 1))
-    step = model(nxt, cache=cache)[:, -1]
+    step = model(nxt, kv_cache=cache)[:, -1]
     explicit = torch.cat([ids, nxt], 1)
     torch.testing.assert_close(step, model(explicit)[:, -1], atol=ATOL, rtol=RTOL)
 
@@ -136,17 +136,17 @@ def test_eos_stops_rows_and_pads() -> None:
 def test_errors() -> None:
     model = _model()
     ids = torch.randint(0, 17, (2, 4))
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         model.generate(ids, 29)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(ids, 2, temperature=0.0)
     with pytest.raises(ValueError, match="top_k"):
         model.generate(ids, 2, top_k=0)
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         model(torch.randint(0, 17, (1, 33)))
     with pytest.raises(ValueError, match="padding_mask"):
         model(ids, padding_mask=torch.zeros(2, 3, dtype=torch.bool))
     cache = KVCache(2, 5)
-    model(ids, cache=cache)
+    model(ids, kv_cache=cache)
     with pytest.raises(RuntimeError, match="overflow"):
-        model(ids, cache=cache)
+        model(ids, kv_cache=cache)

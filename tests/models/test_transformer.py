@@ -23,7 +23,7 @@ def _model(**overrides: object) -> Transformer:
         "num_decoder_layers": 2,
         "dim_feedforward": 32,
         "dropout": 0.0,
-        "max_len": 32,
+        "max_positions": 32,
     }
     kw.update(overrides)
     return Transformer(TransformerConfig(**kw)).eval()  # type: ignore[arg-type]
@@ -98,7 +98,7 @@ def test_cached_decoding_equals_full_forward(positional: str, num_kv_heads: int 
     memory = model.encode(src)
     cache = model.new_cache()
     for t, logits in enumerate(expected_logits):
-        step = model.decode(expected_tokens[:, t : t + 1], memory, src == PAD, cache=cache)
+        step = model.decode(expected_tokens[:, t : t + 1], memory, src == PAD, kv_cache=cache)
         torch.testing.assert_close(step[:, -1], logits, atol=ATOL, rtol=RTOL, msg=f"step {t}")
     assert cache.length == len(expected_logits)
 
@@ -210,7 +210,7 @@ def test_beam_search_batch_and_padding() -> None:
 def test_errors() -> None:
     model = _model()
     src, _ = _src()
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         model.generate(src, 40)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(src, 0)

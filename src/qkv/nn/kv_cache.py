@@ -213,6 +213,5 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (
-            f"KVCache(num_layers={self.num_layers}, capacity={self.capacity}, "
-            f"length={self.length})"
+            f"KVCache(num_layers={self.num_layers}, capacity={self.capacity}, length={self.length})"
         )
