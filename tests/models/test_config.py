@@ -124,7 +124,7 @@ def test_qkv_0_1_config_reads_max_len_as_max_positions(name: str) -> None:
 
 
 def test_legacy_key_next_to_its_new_name_is_refused() -> None:
-    with pytest.raises(ValueError, match="max_positions.*max_len"):
+    with pytest.raises(ValueError, match=r"max_positions.*max_len"):
         DecoderOnlyConfig.from_dict({"vocab_size": 3, "max_len": 8, "max_positions": 8})
 
 

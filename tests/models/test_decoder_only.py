@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from qkv import DecoderOnlyConfig, DecoderOnlyLM, KVCache
+from qkv.models.decoder_only import upgrade_state_dict
+from qkv.nn.stacks import Encoder
 
 ATOL, RTOL = 1e-5, 1.3e-6
 
@@ -150,3 +152,42 @@ def test_errors() -> None:
     model(ids, kv_cache=cache)
     with pytest.raises(RuntimeError, match="overflow"):
         model(ids, kv_cache=cache)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_blocks_are_the_shared_stack(norm_first: bool) -> None:
+    model = _model(norm_first=norm_first)
+    assert isinstance(model.blocks, Encoder) and len(model.blocks.layers) == 2
+    keys = set(model.state_dict())
+    assert "blocks.layers.1.self_attn.q_proj.weight" in keys
+    assert ("blocks.norm.weight" in keys) == norm_first  # post-norm: each layer ends in one
+    assert not any(k.startswith(("layers.", "norm.")) for k in keys)
+
+
+def test_0_1_state_dict_keys_load_through_the_pre_hook() -> None:
+    model = _model()
+    legacy = {k.replace("blocks.", "", 1): v.clone() + 0.5 for k, v in model.state_dict().items()}
+    assert "layers.0.ffn.fc1.weight" in legacy and "norm.bias" in legacy
+    assert set(upgrade_state_dict(legacy)) == set(model.state_dict())
+    assert upgrade_state_dict(upgrade_state_dict(legacy)) == upgrade_state_dict(legacy)
+    other = _model()
+    other.load_state_dict(legacy)  # strict
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, legacy[k.replace("blocks.", "", 1)])
+    wrapped = torch.nn.ModuleDict({"lm": _model()})  # the upgrade respects the prefix
+    wrapped.load_state_dict({f"lm.{k}": v for k, v in legacy.items()})
+    assert torch.equal(wrapped["lm"].blocks.norm.weight, legacy["norm.weight"])
+
+
+def test_cache_keyword_is_a_deprecated_alias_of_kv_cache() -> None:
+    model = _model()
+    ids = torch.randint(0, 17, (2, 5))
+    new, old = model.new_cache(), model.new_cache(capacity=8)
+    assert old.capacity == 8 and new.capacity == 32
+    expected = model(ids, kv_cache=new)
+    with pytest.warns(DeprecationWarning, match="kv_cache"):
+        got = model(ids, cache=old)
+    torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+    assert old.length == 5
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        model(ids, kv_cache=new, cache=old)

@@ -15,7 +15,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, ClassVar, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
 from qkv.checks import (
     check_bool,
@@ -26,6 +26,9 @@ from qkv.checks import (
 from qkv.nn.feed_forward import ACTIVATIONS, Activation
 from qkv.nn.norms import NORMS, NormKind
 from qkv.nn.positions import POSITIONALS, Positional
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "NORMS",
@@ -50,7 +53,7 @@ class ConfigDict:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of every field."""
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(cast("DataclassInstance", self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
@@ -69,7 +72,7 @@ class ConfigDict:
                 if new in d:
                     raise ValueError(f"{cls.__name__}: give {new!r} only, not also {old!r}")
                 d[new] = d.pop(old)
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        known = {f.name for f in dataclasses.fields(cast("type[DataclassInstance]", cls))}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(
@@ -83,7 +86,7 @@ def _accepts_max_len(cls: _T) -> _T:
     init: Callable[..., None] = cls.__init__  # type: ignore[misc]
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def init_accepting_max_len(self: Any, *args: Any, **kwargs: Any) -> None:
         if "max_len" in kwargs:
             warnings.warn(
                 f"{cls.__name__}(max_len=) is deprecated; use max_positions=",
@@ -95,7 +98,7 @@ def _accepts_max_len(cls: _T) -> _T:
             kwargs["max_positions"] = kwargs.pop("max_len")
         init(self, *args, **kwargs)
 
-    cls.__init__ = __init__  # type: ignore[misc]
+    cls.__init__ = init_accepting_max_len  # type: ignore[misc]
     return cls
 
 

@@ -3,8 +3,8 @@
 It lives outside the attention modules (one cache per model and per generation), so a module
 stays a pure function of its inputs and weights. Each self-attention layer calls
 :meth:`KVCache.update` with the keys/values of its *new* tokens and attends over everything
-returned; storage is preallocated to ``capacity`` tokens on first use, so appending costs the size of the
-new tokens only and the per-token cost of decoding stays flat.
+returned; storage is preallocated to ``capacity`` tokens on first use, so appending costs the
+size of the new tokens only and the per-token cost of decoding stays flat.
 
 Cross-attention keys/values (from the encoder output, fixed during decoding) are computed once
 and kept with :meth:`set_cross` / :meth:`get_cross`.
