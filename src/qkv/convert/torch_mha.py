@@ -106,7 +106,7 @@ def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
             for dst, w in zip(separate, ws, strict=True):
                 dst.copy_(w)
         if out.in_proj_bias is not None:
-            bs = [p.bias for p in projs if p.bias is not None]
+            bs: list[Tensor] = [p.bias for p in projs if p.bias is not None]
             out.in_proj_bias.copy_(torch.cat(bs))  # [3D]
         _copy_out_proj(out.out_proj, module.out_proj)
     return out.train(module.training)

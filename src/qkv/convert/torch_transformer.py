@@ -19,7 +19,7 @@ PyTorch module's ``batch_first`` was.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from qkv.convert.torch_mha import from_torch_mha, to_torch_mha
 from qkv.models.transformer import Transformer
 from qkv.nn.feed_forward import FeedForward
 from qkv.nn.layers import DecoderLayer, EncoderLayer
+from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.stacks import Decoder, Encoder, EncoderDecoder
 
 __all__ = [
@@ -93,13 +94,43 @@ def _layer_kwargs(layer: TorchLayer) -> dict[str, Any]:
     }
 
 
-def _load_common(dst: QkvLayer, src: TorchLayer) -> None:
-    attn = from_torch_mha(src.self_attn)
-    dst.self_attn.load_state_dict(attn.state_dict())
-    _copy_linear(dst.ffn.fc1, src.linear1)
-    _copy_linear(dst.ffn.fc2, src.linear2)
-    _copy_norm(dst.norm1, src.norm1)
-    _copy_norm(dst.norm2, src.norm2)
+# (PyTorch attribute, qkv attribute) of every part of a layer; the decoder adds its cross-attention.
+_ENCODER_PARTS: tuple[tuple[str, str], ...] = (
+    ("self_attn", "self_attn"),
+    ("linear1", "ffn.fc1"),
+    ("linear2", "ffn.fc2"),
+    ("norm1", "norm1"),
+    ("norm2", "norm2"),
+)
+_DECODER_PARTS = (*_ENCODER_PARTS, ("multihead_attn", "cross_attn"), ("norm3", "norm3"))
+_PARTS: dict[type[nn.Module], tuple[tuple[str, str], ...]] = {
+    nn.TransformerEncoderLayer: _ENCODER_PARTS,
+    nn.TransformerDecoderLayer: _DECODER_PARTS,
+    EncoderLayer: _ENCODER_PARTS,
+    DecoderLayer: _DECODER_PARTS,
+}
+_L = TypeVar("_L", bound=nn.Module)
+
+
+def _copy_part(dst: nn.Module, src: nn.Module) -> None:
+    if isinstance(src, nn.MultiheadAttention):
+        dst.load_state_dict(from_torch_mha(src).state_dict())
+    elif isinstance(src, MultiHeadAttention):
+        dst.load_state_dict(to_torch_mha(src).state_dict())
+    elif isinstance(src, nn.Linear):
+        assert isinstance(dst, nn.Linear)
+        _copy_linear(dst, src)
+    else:
+        _copy_norm(dst, src)
+
+
+def _convert_layer(layer: nn.Module, out: _L, to_torch: bool) -> _L:
+    """Copy every part of ``layer`` into ``out`` (built with the same sizes), by the table."""
+    with torch.no_grad():
+        for torch_name, qkv_name in _PARTS[type(out)]:
+            src_name, dst_name = (qkv_name, torch_name) if to_torch else (torch_name, qkv_name)
+            _copy_part(out.get_submodule(dst_name), layer.get_submodule(src_name))
+    return out.train(layer.training)
 
 
 def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
@@ -111,10 +142,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
     """
     if not isinstance(layer, nn.TransformerEncoderLayer):
         raise TypeError(f"expected nn.TransformerEncoderLayer, got {type(layer).__name__}")
-    out = EncoderLayer(**_layer_kwargs(layer))
-    with torch.no_grad():
-        _load_common(out, layer)
-    return out.train(layer.training)
+    return _convert_layer(layer, EncoderLayer(**_layer_kwargs(layer)), to_torch=False)
 
 
 def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
@@ -126,12 +154,7 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
     """
     if not isinstance(layer, nn.TransformerDecoderLayer):
         raise TypeError(f"expected nn.TransformerDecoderLayer, got {type(layer).__name__}")
-    out = DecoderLayer(**_layer_kwargs(layer))
-    with torch.no_grad():
-        _load_common(out, layer)
-        out.cross_attn.load_state_dict(from_torch_mha(layer.multihead_attn).state_dict())
-        _copy_norm(out.norm3, layer.norm3)
-    return out.train(layer.training)
+    return _convert_layer(layer, DecoderLayer(**_layer_kwargs(layer)), to_torch=False)
 
 
 def from_torch_transformer(module: nn.Transformer) -> EncoderDecoder:
@@ -198,14 +221,6 @@ def _check_exportable(layer: QkvLayer) -> dict[str, Any]:
     }
 
 
-def _store_common(dst: TorchLayer, src: QkvLayer) -> None:
-    dst.self_attn.load_state_dict(to_torch_mha(src.self_attn).state_dict())
-    _copy_linear(dst.linear1, src.ffn.fc1)
-    _copy_linear(dst.linear2, src.ffn.fc2)
-    _copy_norm(dst.norm1, src.norm1)
-    _copy_norm(dst.norm2, src.norm2)
-
-
 def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
     """An ``nn.TransformerEncoderLayer(batch_first=True)`` with copies of ``layer``'s weights.
 
@@ -216,9 +231,7 @@ def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
     if not isinstance(layer, EncoderLayer):
         raise TypeError(f"expected qkv.nn.EncoderLayer, got {type(layer).__name__}")
     out = nn.TransformerEncoderLayer(**_check_exportable(layer))
-    with torch.no_grad():
-        _store_common(out, layer)
-    return out.train(layer.training)
+    return _convert_layer(layer, out, to_torch=True)
 
 
 def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
@@ -231,11 +244,7 @@ def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
     if not isinstance(layer, DecoderLayer):
         raise TypeError(f"expected qkv.nn.DecoderLayer, got {type(layer).__name__}")
     out = nn.TransformerDecoderLayer(**_check_exportable(layer))
-    with torch.no_grad():
-        _store_common(out, layer)
-        out.multihead_attn.load_state_dict(to_torch_mha(layer.cross_attn).state_dict())
-        _copy_norm(out.norm3, layer.norm3)
-    return out.train(layer.training)
+    return _convert_layer(layer, out, to_torch=True)
 
 
 def to_torch_transformer(module: EncoderDecoder | Transformer) -> nn.Transformer:
