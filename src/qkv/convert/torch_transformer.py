@@ -133,6 +133,20 @@ def _convert_layer(layer: nn.Module, out: _L, to_torch: bool) -> _L:
     return out.train(layer.training)
 
 
+def _from_torch(layer: object, torch_cls: type[nn.Module], qkv_cls: type[_L]) -> _L:
+    if not isinstance(layer, torch_cls):
+        raise TypeError(f"expected nn.{torch_cls.__name__}, got {type(layer).__name__}")
+    assert isinstance(layer, TorchLayer)
+    return _convert_layer(layer, qkv_cls(**_layer_kwargs(layer)), to_torch=False)
+
+
+def _to_torch(layer: object, qkv_cls: type[nn.Module], torch_cls: type[_L]) -> _L:
+    if not isinstance(layer, qkv_cls):
+        raise TypeError(f"expected qkv.nn.{qkv_cls.__name__}, got {type(layer).__name__}")
+    assert isinstance(layer, QkvLayer)
+    return _convert_layer(layer, torch_cls(**_check_exportable(layer)), to_torch=True)
+
+
 def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
     """A qkv :class:`EncoderLayer` holding copies of ``layer``'s weights (same training mode).
 
@@ -140,9 +154,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
         TypeError: not an ``nn.TransformerEncoderLayer``.
         ValueError: an activation other than relu / exact gelu.
     """
-    if not isinstance(layer, nn.TransformerEncoderLayer):
-        raise TypeError(f"expected nn.TransformerEncoderLayer, got {type(layer).__name__}")
-    return _convert_layer(layer, EncoderLayer(**_layer_kwargs(layer)), to_torch=False)
+    return _from_torch(layer, nn.TransformerEncoderLayer, EncoderLayer)
 
 
 def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
@@ -152,9 +164,7 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
         TypeError: not an ``nn.TransformerDecoderLayer``.
         ValueError: an activation other than relu / exact gelu.
     """
-    if not isinstance(layer, nn.TransformerDecoderLayer):
-        raise TypeError(f"expected nn.TransformerDecoderLayer, got {type(layer).__name__}")
-    return _convert_layer(layer, DecoderLayer(**_layer_kwargs(layer)), to_torch=False)
+    return _from_torch(layer, nn.TransformerDecoderLayer, DecoderLayer)
 
 
 def from_torch_transformer(module: nn.Transformer) -> EncoderDecoder:
@@ -228,10 +238,7 @@ def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
         TypeError: not a qkv :class:`EncoderLayer`.
         ValueError: GQA, SwiGLU or RMSNorm, which PyTorch's layer cannot express.
     """
-    if not isinstance(layer, EncoderLayer):
-        raise TypeError(f"expected qkv.nn.EncoderLayer, got {type(layer).__name__}")
-    out = nn.TransformerEncoderLayer(**_check_exportable(layer))
-    return _convert_layer(layer, out, to_torch=True)
+    return _to_torch(layer, EncoderLayer, nn.TransformerEncoderLayer)
 
 
 def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
@@ -241,10 +248,7 @@ def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
         TypeError: not a qkv :class:`DecoderLayer`.
         ValueError: GQA, SwiGLU or RMSNorm, which PyTorch's layer cannot express.
     """
-    if not isinstance(layer, DecoderLayer):
-        raise TypeError(f"expected qkv.nn.DecoderLayer, got {type(layer).__name__}")
-    out = nn.TransformerDecoderLayer(**_check_exportable(layer))
-    return _convert_layer(layer, out, to_torch=True)
+    return _to_torch(layer, DecoderLayer, nn.TransformerDecoderLayer)
 
 
 def to_torch_transformer(module: EncoderDecoder | Transformer) -> nn.Transformer:
