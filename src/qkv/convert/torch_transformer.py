@@ -54,7 +54,9 @@ def _activation_name(layer: TorchLayer) -> str:
     raise ValueError(f"only relu and exact gelu activations convert, got {act!r}")
 
 
-def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
+def _copy_linear(dst: nn.Linear | nn.LayerNorm, src: nn.Linear | nn.LayerNorm) -> None:
+    """Copy weight and bias (a missing source bias becomes zeros); LayerNorms alike."""
+    assert dst.weight is not None and src.weight is not None
     dst.weight.copy_(src.weight)
     if dst.bias is not None:
         if src.bias is None:
@@ -69,13 +71,7 @@ def _copy_norm(dst: nn.Module, src: nn.Module) -> None:
             f"only LayerNorm converts between nn.Transformer and qkv, got {type(src).__name__} "
             f"-> {type(dst).__name__}"
         )
-    assert dst.weight is not None and src.weight is not None
-    dst.weight.copy_(src.weight)
-    if dst.bias is not None:
-        if src.bias is None:
-            dst.bias.zero_()
-        else:
-            dst.bias.copy_(src.bias)
+    _copy_linear(dst, src)
 
 
 def _layer_kwargs(layer: TorchLayer) -> dict[str, Any]:
