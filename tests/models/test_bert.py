@@ -174,13 +174,15 @@ def test_config_rejects_bad_values(change: dict, message: str) -> None:
 def test_forward_rejects_bad_inputs() -> None:
     model = BertEncoder(BertConfig(50, 16, 1, 4, 32, max_position_embeddings=8)).eval()
     ids = torch.zeros(2, 5, dtype=torch.long)
-    with pytest.raises(TypeError, match="input_ids must be an int32/int64 tensor"):
+    with pytest.raises(TypeError, match=r"input_ids must be an integer \(int32/int64\) tensor"):
         model(ids.float())
-    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=50\)"):
+    with pytest.raises(
+        ValueError, match=r"input_ids holds ids .* outside the vocabulary \[0, vocab_size=50\)"
+    ):
         model(ids + 50)
     with pytest.raises(ValueError, match="max_position_embeddings=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
-    with pytest.raises(ValueError, match="token_type_ids must lie in"):
+    with pytest.raises(ValueError, match="token_type_ids holds ids"):
         model(ids, token_type_ids=ids + 2)
     with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\]"):
         model(ids, torch.ones(2, 4, dtype=torch.long))
@@ -196,3 +198,21 @@ def test_padding_does_not_change_real_tokens() -> None:
     with torch.no_grad():
         alone, with_pad = model(ids), model(padded, mask)
     torch.testing.assert_close(with_pad[:, :4], alone)
+
+
+def test_padding_mask_is_the_attention_mask_in_qkv_convention() -> None:
+    model = BertEncoder(BertConfig(50, 16, 2, 4, 32)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        expected = model(ids, attention_mask)
+        got = model(ids, padding_mask=attention_mask == 0)
+        no_pad = model(ids, padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+    torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(no_pad, model(ids), atol=0.0, rtol=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, attention_mask, padding_mask=attention_mask == 0)
+    with pytest.raises(TypeError, match="padding_mask must be a bool tensor"):
+        model(ids, padding_mask=attention_mask)
+    with pytest.raises(ValueError, match="padding_mask must have the token shape"):
+        model(ids, padding_mask=torch.zeros(2, 5, dtype=torch.bool))

@@ -2,10 +2,14 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from qkv import DecoderOnlyConfig, TransformerConfig
+from qkv.models.config import ModelConfig
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "qkv_0_1"
 
 
 def test_round_trip_through_json() -> None:
@@ -55,7 +59,7 @@ BASE = {"src_vocab_size": 10, "tgt_vocab_size": 10}
         ("eos_id", 10, "eos_id"),
         ("bos_id", 0, "bos_id and pad_id"),
         ("layer_norm_eps", 0.0, "layer_norm_eps"),
-        ("max_len", 0, "max_len"),
+        ("max_positions", 0, "max_positions"),
     ],
 )
 def test_transformer_config_errors(field: str, value: object, words: str) -> None:
@@ -81,3 +85,54 @@ def test_rotary_needs_even_head_width() -> None:
 def test_decoder_only_config_errors(field: str, value: object, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         DecoderOnlyConfig(**{"vocab_size": 9, field: value})  # type: ignore[arg-type]
+
+
+def test_both_configs_share_the_base_fields() -> None:
+    base = {f.name for f in dataclasses.fields(ModelConfig)}
+    for cls in (TransformerConfig, DecoderOnlyConfig):
+        assert issubclass(cls, ModelConfig)
+        assert base <= {f.name for f in dataclasses.fields(cls)}
+    assert "max_positions" in base and "max_len" not in base
+
+
+def test_only_vocab_sizes_are_positional() -> None:
+    assert TransformerConfig(5, 6).tgt_vocab_size == 6
+    with pytest.raises(TypeError):
+        TransformerConfig(5, 6, 64)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        DecoderOnlyConfig(5, 64)  # type: ignore[misc]
+
+
+def test_non_int_sizes_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="d_model"):
+        DecoderOnlyConfig(vocab_size=9, d_model=16.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="norm_first"):
+        DecoderOnlyConfig(vocab_size=9, norm_first=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["reverse", "text"])
+def test_qkv_0_1_config_reads_max_len_as_max_positions(name: str) -> None:
+    manifest = json.loads((FIXTURES / name / "config.json").read_text())
+    saved = manifest["model_config"]
+    assert "max_len" in saved and "max_positions" not in saved
+    cls = DecoderOnlyConfig if manifest["model_type"] == "decoder_only" else TransformerConfig
+    cfg = cls.from_dict(saved)
+    assert cfg.max_positions == saved["max_len"]
+    again = cfg.to_dict()
+    assert "max_len" not in again and again["max_positions"] == saved["max_len"]
+    assert cls.from_dict(again) == cfg
+
+
+def test_legacy_key_next_to_its_new_name_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_positions.*max_len"):
+        DecoderOnlyConfig.from_dict({"vocab_size": 3, "max_len": 8, "max_positions": 8})
+
+
+def test_max_len_keyword_and_attribute_are_deprecated_aliases() -> None:
+    with pytest.warns(DeprecationWarning, match="max_positions"):
+        cfg = TransformerConfig(src_vocab_size=4, tgt_vocab_size=4, max_len=9)
+    assert cfg.max_positions == 9
+    with pytest.warns(DeprecationWarning, match="max_positions"):
+        assert cfg.max_len == 9
+    with pytest.raises(ValueError, match="max_positions only"), pytest.warns(DeprecationWarning):
+        DecoderOnlyConfig(vocab_size=4, max_len=9, max_positions=9)

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from qkv import DecoderOnlyConfig, DecoderOnlyLM, KVCache
+from qkv.models.decoder_only import upgrade_state_dict
+from qkv.nn.stacks import Encoder
 
 ATOL, RTOL = 1e-5, 1.3e-6
 
@@ -16,7 +18,7 @@ def _model(**overrides: object) -> DecoderOnlyLM:
         "num_layers": 2,
         "dim_feedforward": 32,
         "dropout": 0.0,
-        "max_len": 32,
+        "max_positions": 32,
     }
     kw.update(overrides)
     return DecoderOnlyLM(DecoderOnlyConfig(**kw)).eval()  # type: ignore[arg-type]
@@ -49,10 +51,10 @@ def test_cached_decoding_equals_full_forward(positional: str, num_kv_heads: int 
         out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(model.generate(prompt, n, greedy=True), out)
     cache = model.new_cache()
-    first = model(prompt, cache=cache)[:, -1]
+    first = model(prompt, kv_cache=cache)[:, -1]
     torch.testing.assert_close(first, steps[0], atol=ATOL, rtol=RTOL)
     for t in range(1, n):
-        step = model(out[:, 3 + t : 4 + t], cache=cache)[:, -1]
+        step = model(out[:, 3 + t : 4 + t], kv_cache=cache)[:, -1]
         torch.testing.assert_close(step, steps[t], atol=ATOL, rtol=RTOL, msg=f"step {t}")
     assert cache.length == 4 + n - 1
 
@@ -61,8 +63,8 @@ def test_chunked_prefill_equals_one_pass() -> None:
     model = _model()
     ids = torch.randint(0, 17, (2, 9))
     cache = model.new_cache()
-    parts = [model(ids[:, :3], cache=cache), model(ids[:, 3:7], cache=cache),
-             model(ids[:, 7:], cache=cache)]  # fmt: skip
+    parts = [model(ids[:, :3], kv_cache=cache), model(ids[:, 3:7], kv_cache=cache),
+             model(ids[:, 7:], kv_cache=cache)]  # fmt: skip
     torch.testing.assert_close(torch.cat(parts, 1), model(ids), atol=ATOL, rtol=RTOL)
 
 
@@ -89,9 +91,9 @@ def test_padded_batch_equals_each_sequence_alone(positional: str) -> None:
                                    rtol=RTOL)  # fmt: skip
     # padding stays blocked in the cache: decoding after a padded chunk
     cache = model.new_cache()
-    model(ids, cache=cache)
+    model(ids, kv_cache=cache)
     nxt = torch.randint(1, 17, (3, 1))
-    step = model(nxt, cache=cache)[:, -1]
+    step = model(nxt, kv_cache=cache)[:, -1]
     explicit = torch.cat([ids, nxt], 1)
     torch.testing.assert_close(step, model(explicit)[:, -1], atol=ATOL, rtol=RTOL)
 
@@ -136,17 +138,56 @@ def test_eos_stops_rows_and_pads() -> None:
 def test_errors() -> None:
     model = _model()
     ids = torch.randint(0, 17, (2, 4))
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         model.generate(ids, 29)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(ids, 2, temperature=0.0)
     with pytest.raises(ValueError, match="top_k"):
         model.generate(ids, 2, top_k=0)
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         model(torch.randint(0, 17, (1, 33)))
     with pytest.raises(ValueError, match="padding_mask"):
         model(ids, padding_mask=torch.zeros(2, 3, dtype=torch.bool))
     cache = KVCache(2, 5)
-    model(ids, cache=cache)
+    model(ids, kv_cache=cache)
     with pytest.raises(RuntimeError, match="overflow"):
-        model(ids, cache=cache)
+        model(ids, kv_cache=cache)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_blocks_are_the_shared_stack(norm_first: bool) -> None:
+    model = _model(norm_first=norm_first)
+    assert isinstance(model.blocks, Encoder) and len(model.blocks.layers) == 2
+    keys = set(model.state_dict())
+    assert "blocks.layers.1.self_attn.q_proj.weight" in keys
+    assert ("blocks.norm.weight" in keys) == norm_first  # post-norm: each layer ends in one
+    assert not any(k.startswith(("layers.", "norm.")) for k in keys)
+
+
+def test_0_1_state_dict_keys_load_through_the_pre_hook() -> None:
+    model = _model()
+    legacy = {k.replace("blocks.", "", 1): v.clone() + 0.5 for k, v in model.state_dict().items()}
+    assert "layers.0.ffn.fc1.weight" in legacy and "norm.bias" in legacy
+    assert set(upgrade_state_dict(legacy)) == set(model.state_dict())
+    assert upgrade_state_dict(upgrade_state_dict(legacy)) == upgrade_state_dict(legacy)
+    other = _model()
+    other.load_state_dict(legacy)  # strict
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, legacy[k.replace("blocks.", "", 1)])
+    wrapped = torch.nn.ModuleDict({"lm": _model()})  # the upgrade respects the prefix
+    wrapped.load_state_dict({f"lm.{k}": v for k, v in legacy.items()})
+    assert torch.equal(wrapped["lm"].blocks.norm.weight, legacy["norm.weight"])
+
+
+def test_cache_keyword_is_a_deprecated_alias_of_kv_cache() -> None:
+    model = _model()
+    ids = torch.randint(0, 17, (2, 5))
+    new, old = model.new_cache(), model.new_cache(capacity=8)
+    assert old.capacity == 8 and new.capacity == 32
+    expected = model(ids, kv_cache=new)
+    with pytest.warns(DeprecationWarning, match="kv_cache"):
+        got = model(ids, cache=old)
+    torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+    assert old.length == 5
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        model(ids, kv_cache=new, cache=old)

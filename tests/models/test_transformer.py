@@ -23,7 +23,7 @@ def _model(**overrides: object) -> Transformer:
         "num_decoder_layers": 2,
         "dim_feedforward": 32,
         "dropout": 0.0,
-        "max_len": 32,
+        "max_positions": 32,
     }
     kw.update(overrides)
     return Transformer(TransformerConfig(**kw)).eval()  # type: ignore[arg-type]
@@ -98,7 +98,7 @@ def test_cached_decoding_equals_full_forward(positional: str, num_kv_heads: int 
     memory = model.encode(src)
     cache = model.new_cache()
     for t, logits in enumerate(expected_logits):
-        step = model.decode(expected_tokens[:, t : t + 1], memory, src == PAD, cache=cache)
+        step = model.decode(expected_tokens[:, t : t + 1], memory, src == PAD, kv_cache=cache)
         torch.testing.assert_close(step[:, -1], logits, atol=ATOL, rtol=RTOL, msg=f"step {t}")
     assert cache.length == len(expected_logits)
 
@@ -210,7 +210,7 @@ def test_beam_search_batch_and_padding() -> None:
 def test_errors() -> None:
     model = _model()
     src, _ = _src()
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         model.generate(src, 40)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(src, 0)
@@ -233,3 +233,34 @@ def test_tied_embeddings_share_one_matrix() -> None:
     assert model.lm_head.weight is model.tgt_embed.weight
     names = [n for n, _ in model.named_parameters()]
     assert "lm_head.weight" not in names
+
+
+def test_cache_keyword_is_a_deprecated_alias_of_kv_cache() -> None:
+    model = _model()
+    src, _ = _src()
+    memory = model.encode(src)
+    tgt = torch.full((src.shape[0], 1), BOS)
+    expected = model.decode(tgt, memory, src == PAD, kv_cache=model.new_cache())
+    with pytest.warns(DeprecationWarning, match="kv_cache"):
+        got = model.decode(tgt, memory, src == PAD, cache=model.new_cache(4))
+    torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
+
+
+def test_an_explicit_no_padding_mask_is_kept_by_generate() -> None:
+    """The caller's src_padding_mask wins over pad_id, in forward and in generate alike."""
+    model = _model()
+    src, _ = _src()  # rows end in PAD tokens
+    none_padded = torch.zeros_like(src, dtype=torch.bool)
+    assert model.source_padding(src, none_padded) is None
+    assert torch.equal(model.source_padding(src), src == PAD)
+    memory = model.encode(src, none_padded)  # [B, S, D]: PAD tokens attended to
+    cache = model.new_cache()
+    out = torch.full((src.shape[0], 1), BOS)
+    finished = torch.zeros(src.shape[0], dtype=torch.bool)
+    for _ in range(4):
+        logits = model.decode(out[:, -1:], memory, none_padded, kv_cache=cache)[:, -1]
+        nxt = torch.where(finished, PAD, logits.argmax(-1))  # [B]
+        finished |= nxt == EOS
+        out = torch.cat([out, nxt[:, None]], dim=1)
+    got = model.generate(src, 4, src_padding_mask=none_padded)
+    assert torch.equal(got, out[:, : got.shape[1]])

@@ -7,7 +7,7 @@ from qkv import KVCache
 
 
 def test_update_appends_and_returns_everything() -> None:
-    cache = KVCache(num_layers=2, max_len=6)
+    cache = KVCache(num_layers=2, capacity=6)
     k1, v1 = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 7)
     k_all, v_all = cache.update(0, k1, v1)
     assert torch.equal(k_all, k1) and torch.equal(v_all, v1)
@@ -36,10 +36,23 @@ def test_misuse_errors() -> None:
     two.update(0, k, k)
     with pytest.raises(RuntimeError, match="twice"):
         two.update(0, k, k)
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="capacity"):
         KVCache(1, 0)
+    with pytest.raises(TypeError, match="capacity"):
+        KVCache(1, True)
     with pytest.raises(ValueError, match="num_layers"):
         KVCache(0, 4)
+
+
+def test_max_len_is_a_deprecated_alias_of_capacity() -> None:
+    with pytest.warns(DeprecationWarning, match="capacity"):
+        cache = KVCache(2, max_len=5)
+    assert cache.capacity == 5
+    with pytest.warns(DeprecationWarning, match="capacity"):
+        assert cache.max_len == 5
+    with pytest.raises(ValueError, match="capacity only"), pytest.warns(DeprecationWarning):
+        KVCache(2, 5, max_len=5)
+    assert "capacity=5" in repr(cache)
 
 
 def test_padding_reorder_and_reset() -> None:

@@ -60,7 +60,7 @@ def test_sinusoidal_table_matches_the_formula() -> None:
     x = torch.zeros(1, 5, D)
     torch.testing.assert_close(enc(x, offset=3)[0], table[3:8])
     assert "table" not in enc.state_dict()
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="max_positions"):
         enc(torch.zeros(1, 5, D), offset=46)
 
 

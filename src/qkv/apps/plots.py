@@ -82,5 +82,6 @@ def plot_checkpoint_positional(
             f"--positional plots the sinusoidal encoding; this model uses "
             f"positional={cfg.get('positional')!r}"
         )
-    table = sinusoidal_table(length or int(cfg["max_len"]), int(cfg["d_model"]))  # [L, D]
+    positions = cfg["max_positions"] if "max_positions" in cfg else cfg["max_len"]  # 0.1: max_len
+    table = sinusoidal_table(length or int(positions), int(cfg["d_model"]))  # [L, D]
     return save_figure(plot_positional(table), out)

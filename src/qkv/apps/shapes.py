@@ -148,7 +148,7 @@ def trace_model_shapes(
         num_decoder_layers=num_layers,
         dim_feedforward=4 * H * Dh,
         dropout=0.0,
-        max_len=max(S, T),
+        max_positions=max(S, T),
     )
     with torch.random.fork_rng():  # seed the weights without touching the caller's generator
         torch.manual_seed(seed)

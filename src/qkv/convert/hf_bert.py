@@ -164,7 +164,7 @@ def bert_config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -
     fields = {name: hf[name] for name in (*required, *optional) if hf.get(name) is not None}
     try:
         return BertConfig(**fields)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(f"{source}: {err}") from None
 
 

@@ -7,12 +7,36 @@ otherwise; qkv always keeps four named ``nn.Linear`` layers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["from_torch_mha", "to_torch_mha"]
+
+
+def _same_shape(module: nn.MultiheadAttention | MultiHeadAttention, ref: Tensor) -> dict[str, Any]:
+    """Constructor arguments both classes spell alike, read from either (their attributes
+    share the names)."""
+    return {
+        "embed_dim": module.embed_dim,
+        "num_heads": module.num_heads,
+        "kdim": module.kdim,
+        "vdim": module.vdim,
+        "dropout": module.dropout,
+        "batch_first": module.batch_first,
+        "bias": module.out_proj.bias is not None,
+        "device": ref.device,
+        "dtype": ref.dtype,
+    }
+
+
+def _copy_out_proj(dst: nn.Linear, src: nn.Linear) -> None:
+    dst.weight.copy_(src.weight)
+    if dst.bias is not None and src.bias is not None:
+        dst.bias.copy_(src.bias)
 
 
 def from_torch_mha(module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -33,42 +57,31 @@ def from_torch_mha(module: nn.MultiheadAttention) -> MultiHeadAttention:
         raise TypeError(f"expected nn.MultiheadAttention, got {type(module).__name__}")
     if module.bias_k is not None or module.add_zero_attn:
         raise ValueError("bias_k/bias_v and add_zero_attn have no qkv equivalent")
-    D = module.embed_dim
-    ref = module.out_proj.weight
-    has_bias = module.in_proj_bias is not None
-    out = MultiHeadAttention(
-        D,
-        module.num_heads,
-        kdim=module.kdim,
-        vdim=module.vdim,
-        bias=has_bias,
-        dropout=module.dropout,
-        batch_first=module.batch_first,
-        device=ref.device,
-        dtype=ref.dtype,
-    )
+    out = MultiHeadAttention(**_same_shape(module, module.out_proj.weight))
+    projs = (out.q_proj, out.k_proj, out.v_proj)
     with torch.no_grad():
         if module.in_proj_weight is not None:
-            wq, wk, wv = module.in_proj_weight.chunk(3, dim=0)  # 3 x [D, D]
+            ws = module.in_proj_weight.chunk(3, dim=0)  # 3 x [D, D]
         else:
-            wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
-        for proj, w in ((out.q_proj, wq), (out.k_proj, wk), (out.v_proj, wv)):
+            ws = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        bs = (None,) * 3 if module.in_proj_bias is None else module.in_proj_bias.chunk(3)  # [D]
+        for proj, w, b in zip(projs, ws, bs, strict=True):
             proj.weight.copy_(w)
-        if module.in_proj_bias is not None:
-            for proj, b in zip(
-                (out.q_proj, out.k_proj, out.v_proj), module.in_proj_bias.chunk(3), strict=True
-            ):
-                assert proj.bias is not None
+            if proj.bias is not None and b is not None:
                 proj.bias.copy_(b)
-        out.out_proj.weight.copy_(module.out_proj.weight)
-        if out.out_proj.bias is not None and module.out_proj.bias is not None:
-            out.out_proj.bias.copy_(module.out_proj.bias)
-    out.train(module.training)
-    return out
+        _copy_out_proj(out.out_proj, module.out_proj)
+    return out.train(module.training)
 
 
 def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
     """Build an ``nn.MultiheadAttention`` holding copies of a qkv module's weights.
+
+    Args:
+        module: a qkv multi-head attention module.
+
+    Returns:
+        An ``nn.MultiheadAttention`` with the same outputs and weights (same ``batch_first``,
+        dropout and training mode).
 
     Raises:
         TypeError: ``module`` is not a :class:`qkv.MultiHeadAttention`.
@@ -82,32 +95,18 @@ def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
             f"nn.MultiheadAttention has no grouped-query attention: num_kv_heads="
             f"{module.num_kv_heads} != num_heads={module.num_heads}"
         )
-    ref = module.q_proj.weight
-    has_bias = module.q_proj.bias is not None
-    out = nn.MultiheadAttention(
-        module.embed_dim,
-        module.num_heads,
-        dropout=module.dropout,
-        bias=has_bias,
-        kdim=module.kdim,
-        vdim=module.vdim,
-        batch_first=module.batch_first,
-        device=ref.device,
-        dtype=ref.dtype,
-    )
+    out = nn.MultiheadAttention(**_same_shape(module, module.q_proj.weight))
+    projs = (module.q_proj, module.k_proj, module.v_proj)
     with torch.no_grad():
-        ws = [module.q_proj.weight, module.k_proj.weight, module.v_proj.weight]
+        ws = [p.weight for p in projs]
         if out.in_proj_weight is not None:
             out.in_proj_weight.copy_(torch.cat(ws, dim=0))  # [3D, D]
         else:
-            out.q_proj_weight.copy_(ws[0])
-            out.k_proj_weight.copy_(ws[1])
-            out.v_proj_weight.copy_(ws[2])
+            separate = (out.q_proj_weight, out.k_proj_weight, out.v_proj_weight)
+            for dst, w in zip(separate, ws, strict=True):
+                dst.copy_(w)
         if out.in_proj_bias is not None:
-            bs = [module.q_proj.bias, module.k_proj.bias, module.v_proj.bias]
-            out.in_proj_bias.copy_(torch.cat([b for b in bs if b is not None]))  # [3D]
-        out.out_proj.weight.copy_(module.out_proj.weight)
-        if out.out_proj.bias is not None and module.out_proj.bias is not None:
-            out.out_proj.bias.copy_(module.out_proj.bias)
-    out.train(module.training)
-    return out
+            bs: list[Tensor] = [p.bias for p in projs if p.bias is not None]
+            out.in_proj_bias.copy_(torch.cat(bs))  # [3D]
+        _copy_out_proj(out.out_proj, module.out_proj)
+    return out.train(module.training)

@@ -19,7 +19,7 @@ PyTorch module's ``batch_first`` was.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from qkv.convert.torch_mha import from_torch_mha, to_torch_mha
 from qkv.models.transformer import Transformer
 from qkv.nn.feed_forward import FeedForward
 from qkv.nn.layers import DecoderLayer, EncoderLayer
+from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.stacks import Decoder, Encoder, EncoderDecoder
 
 __all__ = [
@@ -53,7 +54,9 @@ def _activation_name(layer: TorchLayer) -> str:
     raise ValueError(f"only relu and exact gelu activations convert, got {act!r}")
 
 
-def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
+def _copy_linear(dst: nn.Linear | nn.LayerNorm, src: nn.Linear | nn.LayerNorm) -> None:
+    """Copy weight and bias (a missing source bias becomes zeros); LayerNorms alike."""
+    assert dst.weight is not None and src.weight is not None
     dst.weight.copy_(src.weight)
     if dst.bias is not None:
         if src.bias is None:
@@ -68,13 +71,7 @@ def _copy_norm(dst: nn.Module, src: nn.Module) -> None:
             f"only LayerNorm converts between nn.Transformer and qkv, got {type(src).__name__} "
             f"-> {type(dst).__name__}"
         )
-    assert dst.weight is not None and src.weight is not None
-    dst.weight.copy_(src.weight)
-    if dst.bias is not None:
-        if src.bias is None:
-            dst.bias.zero_()
-        else:
-            dst.bias.copy_(src.bias)
+    _copy_linear(dst, src)
 
 
 def _layer_kwargs(layer: TorchLayer) -> dict[str, Any]:
@@ -93,13 +90,57 @@ def _layer_kwargs(layer: TorchLayer) -> dict[str, Any]:
     }
 
 
-def _load_common(dst: QkvLayer, src: TorchLayer) -> None:
-    attn = from_torch_mha(src.self_attn)
-    dst.self_attn.load_state_dict(attn.state_dict())
-    _copy_linear(dst.ffn.fc1, src.linear1)
-    _copy_linear(dst.ffn.fc2, src.linear2)
-    _copy_norm(dst.norm1, src.norm1)
-    _copy_norm(dst.norm2, src.norm2)
+# (PyTorch attribute, qkv attribute) of every part of a layer; the decoder adds its cross-attention.
+_ENCODER_PARTS: tuple[tuple[str, str], ...] = (
+    ("self_attn", "self_attn"),
+    ("linear1", "ffn.fc1"),
+    ("linear2", "ffn.fc2"),
+    ("norm1", "norm1"),
+    ("norm2", "norm2"),
+)
+_DECODER_PARTS = (*_ENCODER_PARTS, ("multihead_attn", "cross_attn"), ("norm3", "norm3"))
+_PARTS: dict[type[nn.Module], tuple[tuple[str, str], ...]] = {
+    nn.TransformerEncoderLayer: _ENCODER_PARTS,
+    nn.TransformerDecoderLayer: _DECODER_PARTS,
+    EncoderLayer: _ENCODER_PARTS,
+    DecoderLayer: _DECODER_PARTS,
+}
+_L = TypeVar("_L", bound=nn.Module)
+
+
+def _copy_part(dst: nn.Module, src: nn.Module) -> None:
+    if isinstance(src, nn.MultiheadAttention):
+        dst.load_state_dict(from_torch_mha(src).state_dict())
+    elif isinstance(src, MultiHeadAttention):
+        dst.load_state_dict(to_torch_mha(src).state_dict())
+    elif isinstance(src, nn.Linear):
+        assert isinstance(dst, nn.Linear)
+        _copy_linear(dst, src)
+    else:
+        _copy_norm(dst, src)
+
+
+def _convert_layer(layer: nn.Module, out: _L, to_torch: bool) -> _L:
+    """Copy every part of ``layer`` into ``out`` (built with the same sizes), by the table."""
+    with torch.no_grad():
+        for torch_name, qkv_name in _PARTS[type(out)]:
+            src_name, dst_name = (qkv_name, torch_name) if to_torch else (torch_name, qkv_name)
+            _copy_part(out.get_submodule(dst_name), layer.get_submodule(src_name))
+    return out.train(layer.training)
+
+
+def _from_torch(layer: object, torch_cls: type[nn.Module], qkv_cls: type[_L]) -> _L:
+    if not isinstance(layer, torch_cls):
+        raise TypeError(f"expected nn.{torch_cls.__name__}, got {type(layer).__name__}")
+    assert isinstance(layer, TorchLayer)
+    return _convert_layer(layer, qkv_cls(**_layer_kwargs(layer)), to_torch=False)
+
+
+def _to_torch(layer: object, qkv_cls: type[nn.Module], torch_cls: type[_L]) -> _L:
+    if not isinstance(layer, qkv_cls):
+        raise TypeError(f"expected qkv.nn.{qkv_cls.__name__}, got {type(layer).__name__}")
+    assert isinstance(layer, QkvLayer)
+    return _convert_layer(layer, torch_cls(**_check_exportable(layer)), to_torch=True)
 
 
 def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
@@ -109,12 +150,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> EncoderLayer:
         TypeError: not an ``nn.TransformerEncoderLayer``.
         ValueError: an activation other than relu / exact gelu.
     """
-    if not isinstance(layer, nn.TransformerEncoderLayer):
-        raise TypeError(f"expected nn.TransformerEncoderLayer, got {type(layer).__name__}")
-    out = EncoderLayer(**_layer_kwargs(layer))
-    with torch.no_grad():
-        _load_common(out, layer)
-    return out.train(layer.training)
+    return _from_torch(layer, nn.TransformerEncoderLayer, EncoderLayer)
 
 
 def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
@@ -124,14 +160,7 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
         TypeError: not an ``nn.TransformerDecoderLayer``.
         ValueError: an activation other than relu / exact gelu.
     """
-    if not isinstance(layer, nn.TransformerDecoderLayer):
-        raise TypeError(f"expected nn.TransformerDecoderLayer, got {type(layer).__name__}")
-    out = DecoderLayer(**_layer_kwargs(layer))
-    with torch.no_grad():
-        _load_common(out, layer)
-        out.cross_attn.load_state_dict(from_torch_mha(layer.multihead_attn).state_dict())
-        _copy_norm(out.norm3, layer.norm3)
-    return out.train(layer.training)
+    return _from_torch(layer, nn.TransformerDecoderLayer, DecoderLayer)
 
 
 def from_torch_transformer(module: nn.Transformer) -> EncoderDecoder:
@@ -198,14 +227,6 @@ def _check_exportable(layer: QkvLayer) -> dict[str, Any]:
     }
 
 
-def _store_common(dst: TorchLayer, src: QkvLayer) -> None:
-    dst.self_attn.load_state_dict(to_torch_mha(src.self_attn).state_dict())
-    _copy_linear(dst.linear1, src.ffn.fc1)
-    _copy_linear(dst.linear2, src.ffn.fc2)
-    _copy_norm(dst.norm1, src.norm1)
-    _copy_norm(dst.norm2, src.norm2)
-
-
 def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
     """An ``nn.TransformerEncoderLayer(batch_first=True)`` with copies of ``layer``'s weights.
 
@@ -213,12 +234,7 @@ def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
         TypeError: not a qkv :class:`EncoderLayer`.
         ValueError: GQA, SwiGLU or RMSNorm, which PyTorch's layer cannot express.
     """
-    if not isinstance(layer, EncoderLayer):
-        raise TypeError(f"expected qkv.nn.EncoderLayer, got {type(layer).__name__}")
-    out = nn.TransformerEncoderLayer(**_check_exportable(layer))
-    with torch.no_grad():
-        _store_common(out, layer)
-    return out.train(layer.training)
+    return _to_torch(layer, EncoderLayer, nn.TransformerEncoderLayer)
 
 
 def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
@@ -228,14 +244,7 @@ def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
         TypeError: not a qkv :class:`DecoderLayer`.
         ValueError: GQA, SwiGLU or RMSNorm, which PyTorch's layer cannot express.
     """
-    if not isinstance(layer, DecoderLayer):
-        raise TypeError(f"expected qkv.nn.DecoderLayer, got {type(layer).__name__}")
-    out = nn.TransformerDecoderLayer(**_check_exportable(layer))
-    with torch.no_grad():
-        _store_common(out, layer)
-        out.multihead_attn.load_state_dict(to_torch_mha(layer.cross_attn).state_dict())
-        _copy_norm(out.norm3, layer.norm3)
-    return out.train(layer.training)
+    return _to_torch(layer, DecoderLayer, nn.TransformerDecoderLayer)
 
 
 def to_torch_transformer(module: EncoderDecoder | Transformer) -> nn.Transformer:

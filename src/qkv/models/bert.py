@@ -5,32 +5,37 @@ mean-pool the last hidden states instead; see :mod:`qkv.apps.embed`). Weights co
 through :func:`qkv.convert.load_bert`.
 
 Shapes: B batch, T tokens, D ``hidden_size``, H ``num_attention_heads``, V ``vocab_size``.
-Padding arrives as a Hugging Face ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding) and is
-converted once, at the edge, with :func:`qkv.masks.from_hf` into qkv's convention.
+Padding arrives as a Hugging Face ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding),
+converted once, at the edge, with :func:`qkv.masks.from_hf` into qkv's convention, or as the
+``padding_mask`` every qkv model takes (bool ``[B, T]``, True = padding).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
+from qkv.checks import check_positive_int, check_probability
 from qkv.functional import BACKENDS, Backend
 from qkv.masks import from_hf
-from qkv.nn.feed_forward import Activation
+from qkv.masks import padding_mask as padding_mask_of
+from qkv.models.config import ConfigDict
+from qkv.models.inputs import check_ids, key_padding
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.stacks import Encoder
 
-__all__ = ["BERT_ACTIVATIONS", "BertConfig", "BertEmbeddings", "BertEncoder"]
+__all__ = ["BERT_ACTIVATIONS", "BertActivation", "BertConfig", "BertEmbeddings", "BertEncoder"]
 
-BERT_ACTIVATIONS: tuple[str, ...] = ("gelu", "relu")
+BertActivation = Literal["gelu", "relu"]
+BERT_ACTIVATIONS: tuple[BertActivation, ...] = ("gelu", "relu")
 """``hidden_act`` values qkv reproduces exactly: ``"gelu"`` is the erf form in both libraries."""
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(ConfigDict):
     """The sizes of a BERT encoder; field names are those of Hugging Face's ``config.json``.
 
     Args:
@@ -48,6 +53,7 @@ class BertConfig:
         pad_token_id: the padding token (its word-embedding row gets no gradient).
 
     Raises:
+        TypeError: a size that is not an int, a probability that is not a number.
         ValueError: a non-positive size, heads that do not divide the width, an unsupported
             activation, a probability outside [0, 1], a pad id outside the vocabulary.
     """
@@ -57,7 +63,7 @@ class BertConfig:
     num_hidden_layers: int
     num_attention_heads: int
     intermediate_size: int
-    hidden_act: str = "gelu"
+    hidden_act: BertActivation = "gelu"
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
     max_position_embeddings: int = 512
@@ -75,9 +81,7 @@ class BertConfig:
             "max_position_embeddings",
             "type_vocab_size",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"BertConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(f"BertConfig.{name}", getattr(self, name))
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"BertConfig.hidden_size={self.hidden_size} is not divisible by "
@@ -90,9 +94,7 @@ class BertConfig:
                 "other numbers than the checkpoint was trained with)"
             )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            p = getattr(self, name)
-            if not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
-                raise ValueError(f"BertConfig.{name} must lie in [0, 1], got {p!r}")
+            check_probability(f"BertConfig.{name}", getattr(self, name))
         if not isinstance(self.layer_norm_eps, int | float) or not self.layer_norm_eps > 0:
             raise ValueError(f"BertConfig.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}")
         if not isinstance(self.pad_token_id, int) or not 0 <= self.pad_token_id < self.vocab_size:
@@ -145,19 +147,6 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.norm(x))  # [B, T, D]
 
 
-def _check_ids(name: str, ids: Tensor, shape: tuple[int, ...], upper: int, field: str) -> None:
-    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
-        raise TypeError(f"{name} must be an int32/int64 tensor, got {got}")
-    if tuple(ids.shape) != shape:
-        raise ValueError(f"{name} must be [B, T] = {list(shape)}, got {list(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= upper):
-        raise ValueError(
-            f"{name} must lie in [0, {field}={upper}), got values in "
-            f"[{int(ids.min())}, {int(ids.max())}]"
-        )
-
-
 class BertEncoder(nn.Module):
     """Token ids to contextual hidden states, as ``BertModel(...).last_hidden_state``.
 
@@ -195,7 +184,7 @@ class BertEncoder(nn.Module):
                 config.num_attention_heads,
                 config.intermediate_size,
                 dropout=config.hidden_dropout_prob,
-                activation=cast(Activation, config.hidden_act),
+                activation=config.hidden_act,
                 norm_first=False,
                 layer_norm_eps=config.layer_norm_eps,
                 **factory,
@@ -227,6 +216,8 @@ class BertEncoder(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
+        *,
+        padding_mask: Tensor | None = None,
     ) -> Tensor:
         """Encode a batch.
 
@@ -236,22 +227,25 @@ class BertEncoder(nn.Module):
                 padding). Padded keys are blocked; padded positions still get (unused) outputs,
                 exactly as in ``BertModel``.
             token_type_ids: ``[B, T]`` segment ids (default: all 0).
+            padding_mask: qkv's spelling of the same padding, as every qkv model takes it: bool
+                ``[B, T]``, True = padding. Give this or ``attention_mask``, not both.
 
         Returns:
             ``[B, T, D]`` last hidden states.
 
         Raises:
-            TypeError: ids that are not integer tensors.
+            TypeError: ids that are not integer tensors, a ``padding_mask`` that is not bool.
             ValueError: ids that are not ``[B, T]`` or lie outside their embedding, ``T`` longer
-                than ``max_position_embeddings``, an ``attention_mask`` of another shape or with
-                values other than 0 and 1.
+                than ``max_position_embeddings``, an ``attention_mask`` or ``padding_mask`` of
+                another shape, an ``attention_mask`` with values other than 0 and 1, or both
+                masks.
         """
         cfg = self.config
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
             got = list(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
             raise ValueError(f"input_ids must be [B, T], got {got}")
         B, T = input_ids.shape
-        _check_ids("input_ids", input_ids, (B, T), cfg.vocab_size, "vocab_size")
+        check_ids("input_ids", input_ids, cfg.vocab_size, field="vocab_size")
         if cfg.max_position_embeddings < T:
             raise ValueError(
                 f"input_ids has T={T} tokens but max_position_embeddings="
@@ -259,8 +253,19 @@ class BertEncoder(nn.Module):
             )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        _check_ids("token_type_ids", token_type_ids, (B, T), cfg.type_vocab_size, "type_vocab_size")
+        check_ids(
+            "token_type_ids",
+            token_type_ids,
+            cfg.type_vocab_size,
+            field="type_vocab_size",
+            shape=(B, T),
+        )
+        if attention_mask is not None and padding_mask is not None:
+            raise ValueError("give attention_mask (Hugging Face) or padding_mask (qkv), not both")
         mask = None
+        if padding_mask is not None:
+            is_pad = key_padding(padding_mask, input_ids, "padding_mask")  # [B, T] or None
+            mask = None if is_pad is None else padding_mask_of(is_pad)  # [B, 1, 1, T]
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, T):
                 raise ValueError(

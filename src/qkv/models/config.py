@@ -1,134 +1,251 @@
-"""Model configurations: one frozen dataclass per model, validated in ``__post_init__``.
+"""Model configurations: frozen dataclasses, validated in ``__post_init__``.
 
+:class:`ModelConfig` holds the fields the encoder–decoder :class:`TransformerConfig` and the
+decoder-only :class:`DecoderOnlyConfig` share (widths, dropout, activation, norm, positions);
+each model adds its vocabulary, layer counts and special tokens, and sets its own defaults.
 A config is the whole description of an architecture: ``to_dict`` gives a JSON-serialisable dict
-(saved next to checkpoints) and ``from_dict`` reads it back, refusing unknown keys.
+(saved next to checkpoints) and ``from_dict`` reads it back, refusing unknown keys and mapping
+the keys of earlier releases (``max_len`` -> ``max_positions``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, TypeVar
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
-from qkv.nn.feed_forward import ACTIVATIONS
+from qkv.checks import (
+    check_bool,
+    check_nonnegative_int,
+    check_positive_int,
+    check_probability,
+)
+from qkv.nn.feed_forward import ACTIVATIONS, Activation
+from qkv.nn.norms import NORMS, NormKind
+from qkv.nn.positions import POSITIONALS, Positional
 
-__all__ = ["NORMS", "POSITIONALS", "DecoderOnlyConfig", "TransformerConfig", "layer_kwargs"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-NORMS: tuple[str, ...] = ("layer", "rms")
-POSITIONALS: tuple[str, ...] = ("sinusoidal", "learned", "rotary", "alibi", "none")
+__all__ = [
+    "NORMS",
+    "POSITIONALS",
+    "ConfigDict",
+    "DecoderOnlyConfig",
+    "ModelConfig",
+    "TransformerConfig",
+]
 
-_C = TypeVar("_C")
+_T = TypeVar("_T", bound=type)
 
 
-def _positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+class ConfigDict:
+    """``to_dict`` / ``from_dict`` for a frozen config dataclass, written once.
 
+    Attributes:
+        legacy_keys: keys of earlier releases and the field each became; ``from_dict`` maps them.
+    """
 
-def _check_common(cfg: Any, vocab_fields: tuple[str, ...], layer_fields: tuple[str, ...]) -> None:
-    for name in (*vocab_fields, "d_model", "num_heads", "dim_feedforward", "max_len"):
-        _positive(name, getattr(cfg, name))
-    for name in layer_fields:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if cfg.d_model % cfg.num_heads != 0:
-        raise ValueError(f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}")
-    if cfg.num_kv_heads is not None:
-        _positive("num_kv_heads", cfg.num_kv_heads)
-        if cfg.num_heads % cfg.num_kv_heads != 0:
+    legacy_keys: ClassVar[dict[str, str]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field."""
+        return dataclasses.asdict(cast("DataclassInstance", self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """Inverse of :meth:`to_dict`; also reads the keys of earlier releases.
+
+        Raises:
+            TypeError: ``d`` is not a dict.
+            ValueError: an unknown key (named), a legacy key next to its new name, or an
+                invalid value.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"{cls.__name__}.from_dict expects a dict, got {type(d).__name__}")
+        d = dict(d)
+        for old, new in cls.legacy_keys.items():
+            if old in d:
+                if new in d:
+                    raise ValueError(f"{cls.__name__}: give {new!r} only, not also {old!r}")
+                d[new] = d.pop(old)
+        known = {f.name for f in dataclasses.fields(cast("type[DataclassInstance]", cls))}
+        unknown = sorted(set(d) - known)
+        if unknown:
             raise ValueError(
-                f"num_heads={cfg.num_heads} is not divisible by num_kv_heads={cfg.num_kv_heads} "
-                "(grouped-query attention shares each key/value head among a group of heads)"
+                f"unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}"
             )
-    if not isinstance(cfg.dropout, int | float) or not 0.0 <= cfg.dropout < 1.0:
-        raise ValueError(f"dropout must lie in [0, 1), got {cfg.dropout!r}")
-    if cfg.activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {cfg.activation!r}")
-    if cfg.norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {cfg.norm!r}")
-    if not cfg.layer_norm_eps > 0:
-        raise ValueError(f"layer_norm_eps must be positive, got {cfg.layer_norm_eps!r}")
-    if cfg.positional not in POSITIONALS:
-        raise ValueError(f"positional must be one of {POSITIONALS}, got {cfg.positional!r}")
-    head_dim = cfg.d_model // cfg.num_heads
-    if cfg.positional == "rotary" and head_dim % 2 != 0:
-        raise ValueError(
-            f"positional='rotary' needs an even head width, got d_model / num_heads = {head_dim}"
+        return cls(**d)
+
+
+def _accepts_max_len(cls: _T) -> _T:
+    """Let ``cls(max_len=...)`` stand for ``max_positions`` for one release, with a warning."""
+    init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(init)
+    def init_accepting_max_len(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "max_len" in kwargs:
+            warnings.warn(
+                f"{cls.__name__}(max_len=) is deprecated; use max_positions=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if "max_positions" in kwargs:
+                raise ValueError(f"{cls.__name__}: give max_positions only, not also max_len")
+            kwargs["max_positions"] = kwargs.pop("max_len")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = init_accepting_max_len  # type: ignore[misc]
+    return cls
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(ConfigDict):
+    """The fields every qkv language model shares (defaults: the paper's base model).
+
+    Args:
+        d_model: D, the model width.
+        num_heads: H; must divide ``d_model``.
+        dim_feedforward: inner width of the feed-forward blocks.
+        dropout: on attention weights, the FFN activation, residual branches, embeddings.
+        activation: ``"relu"``, ``"gelu"`` or ``"swiglu"``.
+        norm_first: pre-norm (True) or post-norm (False) layers.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
+        layer_norm_eps: eps of every norm.
+        positional: ``"sinusoidal"``, ``"learned"``, ``"rotary"``, ``"alibi"`` or ``"none"``.
+        max_positions: the longest sequence the positions (and a default KV cache) cover.
+        num_kv_heads: key/value heads for grouped-query attention (default H).
+        tie_embeddings: the output head shares the (target) token embedding matrix.
+
+    Raises:
+        TypeError / ValueError: in ``__post_init__``, naming the first bad field and its value.
+    """
+
+    legacy_keys: ClassVar[dict[str, str]] = {"max_len": "max_positions"}
+
+    d_model: int = 512
+    num_heads: int = 8
+    dim_feedforward: int = 2048
+    dropout: float = 0.1
+    activation: Activation = "relu"
+    norm_first: bool = False
+    norm: NormKind = "layer"
+    layer_norm_eps: float = 1e-5
+    positional: Positional = "sinusoidal"
+    max_positions: int = 512
+    num_kv_heads: int | None = None
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads", "dim_feedforward", "max_positions"):
+            check_positive_int(name, getattr(self, name))
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_kv_heads is not None:
+            check_positive_int("num_kv_heads", self.num_kv_heads)
+            if self.num_heads % self.num_kv_heads != 0:
+                raise ValueError(
+                    f"num_heads={self.num_heads} is not divisible by num_kv_heads="
+                    f"{self.num_kv_heads} (grouped-query attention shares each key/value head "
+                    "among a group of heads)"
+                )
+        check_probability("dropout", self.dropout, inclusive_one=False)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        eps = self.layer_norm_eps
+        if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
+            raise ValueError(f"layer_norm_eps must be a positive float, got {eps!r}")
+        if self.positional not in POSITIONALS:
+            raise ValueError(f"positional must be one of {POSITIONALS}, got {self.positional!r}")
+        if self.positional == "rotary" and self.head_dim % 2 != 0:
+            raise ValueError(
+                f"positional='rotary' needs an even head width, got d_model / num_heads = "
+                f"{self.head_dim}"
+            )
+        check_bool("norm_first", self.norm_first)
+        check_bool("tie_embeddings", self.tie_embeddings)
+
+    @property
+    def head_dim(self) -> int:
+        """Dh = ``d_model // num_heads``."""
+        return self.d_model // self.num_heads
+
+    @property
+    def max_len(self) -> int:
+        """Deprecated alias of :attr:`max_positions` (one release)."""
+        warnings.warn(
+            f"{type(self).__name__}.max_len is deprecated; use max_positions",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    if not isinstance(cfg.norm_first, bool) or not isinstance(cfg.tie_embeddings, bool):
-        raise ValueError("norm_first and tie_embeddings must be bools")
+        return self.max_positions
+
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The constructor arguments every :class:`~qkv.nn.layers.EncoderLayer` /
+        :class:`~qkv.nn.layers.DecoderLayer` of a model built from this config shares."""
+        return {
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "dim_feedforward": self.dim_feedforward,
+            "dropout": self.dropout,
+            "activation": self.activation,
+            "norm_first": self.norm_first,
+            "layer_norm_eps": self.layer_norm_eps,
+            "norm": self.norm,
+            "num_kv_heads": self.num_kv_heads,
+        }
 
 
 def _check_token(name: str, value: int | None, vocab: int, vocab_name: str) -> None:
     if value is None:
         return
-    if not isinstance(value, int) or not 0 <= value < vocab:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
         raise ValueError(f"{name}={value!r} must be a token id in [0, {vocab_name}={vocab})")
 
 
-def layer_kwargs(cfg: TransformerConfig | DecoderOnlyConfig) -> dict[str, Any]:
-    """The constructor arguments every :class:`~qkv.nn.layers.EncoderLayer` /
-    :class:`~qkv.nn.layers.DecoderLayer` of a model built from ``cfg`` shares."""
-    return {
-        "d_model": cfg.d_model,
-        "num_heads": cfg.num_heads,
-        "dim_feedforward": cfg.dim_feedforward,
-        "dropout": cfg.dropout,
-        "activation": cfg.activation,
-        "norm_first": cfg.norm_first,
-        "layer_norm_eps": cfg.layer_norm_eps,
-        "norm": cfg.norm,
-        "num_kv_heads": cfg.num_kv_heads,
-    }
-
-
-def _from_dict(cls: type[_C], d: dict[str, Any]) -> _C:
-    if not isinstance(d, dict):
-        raise TypeError(f"expected a dict, got {type(d).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}")
-    return cls(**d)
-
-
+@_accepts_max_len
 @dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(ModelConfig):
     """The encoder–decoder Transformer (defaults: the paper's base model).
 
+    Only the vocabulary sizes may be given positionally; every other field is keyword-only.
+
+    Args:
+        src_vocab_size: source vocabulary.
+        tgt_vocab_size: target vocabulary (the head's width).
+        num_encoder_layers: encoder layers (0 allowed).
+        num_decoder_layers: decoder layers (at least 1).
+        pad_id: padding token of both vocabularies.
+        bos_id: the token decoding starts from (not ``pad_id``).
+        eos_id: the token that ends a target.
+        others: see :class:`ModelConfig`.
+
     Raises:
-        ValueError: in ``__post_init__``, naming the first bad field and its value.
+        TypeError / ValueError: in ``__post_init__``, naming the first bad field and its value.
     """
 
     src_vocab_size: int
     tgt_vocab_size: int
-    d_model: int = 512
-    num_heads: int = 8
+    _: KW_ONLY
     num_encoder_layers: int = 6
     num_decoder_layers: int = 6
-    dim_feedforward: int = 2048
-    dropout: float = 0.1
-    activation: str = "relu"
-    norm_first: bool = False
-    norm: str = "layer"
-    layer_norm_eps: float = 1e-5
-    positional: str = "sinusoidal"
-    max_len: int = 512
-    num_kv_heads: int | None = None
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
-    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        _check_common(
-            self,
-            ("src_vocab_size", "tgt_vocab_size"),
-            ("num_encoder_layers", "num_decoder_layers"),
-        )
-        if self.num_decoder_layers < 1:
-            raise ValueError(f"num_decoder_layers must be >= 1, got {self.num_decoder_layers}")
+        check_positive_int("src_vocab_size", self.src_vocab_size)
+        check_positive_int("tgt_vocab_size", self.tgt_vocab_size)
+        super().__post_init__()
+        check_nonnegative_int("num_encoder_layers", self.num_encoder_layers)
+        check_positive_int("num_decoder_layers", self.num_decoder_layers)
         for name in ("pad_id", "bos_id", "eos_id"):
             _check_token(name, getattr(self, name), self.tgt_vocab_size, "tgt_vocab_size")
         if self.bos_id == self.pad_id:
@@ -136,67 +253,44 @@ class TransformerConfig:
                 f"bos_id and pad_id must differ (pad positions are masked out), both are "
                 f"{self.pad_id}"
             )
-        if self.pad_id >= self.src_vocab_size:
-            raise ValueError(
-                f"pad_id={self.pad_id} must be a token id in [0, src_vocab_size="
-                f"{self.src_vocab_size})"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of every field."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: an unknown key (named), or an invalid value.
-        """
-        return _from_dict(cls, d)
+        _check_token("pad_id", self.pad_id, self.src_vocab_size, "src_vocab_size")
 
 
+@_accepts_max_len
 @dataclass(frozen=True)
-class DecoderOnlyConfig:
+class DecoderOnlyConfig(ModelConfig):
     """A GPT-style causal language model (pre-norm, rotary positions, tied embeddings).
 
+    Only ``vocab_size`` may be given positionally; every other field is keyword-only.
+
+    Args:
+        vocab_size: V.
+        num_layers: causal blocks (at least 1).
+        pad_id: padding token, or None (no padding derived from the ids).
+        eos_id: the token that ends a generation, or None.
+        others: see :class:`ModelConfig`; the defaults differ (a small GPT).
+
     Raises:
-        ValueError: in ``__post_init__``, naming the first bad field and its value.
+        TypeError / ValueError: in ``__post_init__``, naming the first bad field and its value.
     """
 
     vocab_size: int
-    d_model: int = 256
-    num_heads: int = 4
+    _: KW_ONLY
     num_layers: int = 4
-    dim_feedforward: int = 1024
-    dropout: float = 0.1
-    activation: str = "gelu"
-    norm_first: bool = True
-    norm: str = "layer"
-    layer_norm_eps: float = 1e-5
-    positional: str = "rotary"
-    max_len: int = 1024
-    num_kv_heads: int | None = None
     pad_id: int | None = None
     eos_id: int | None = None
+    d_model: int = 256
+    num_heads: int = 4
+    dim_feedforward: int = 1024
+    activation: Activation = "gelu"
+    norm_first: bool = True
+    positional: Positional = "rotary"
+    max_positions: int = 1024
     tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
-        _check_common(self, ("vocab_size",), ("num_layers",))
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        check_positive_int("vocab_size", self.vocab_size)
+        super().__post_init__()
+        check_positive_int("num_layers", self.num_layers)
         for name in ("pad_id", "eos_id"):
             _check_token(name, getattr(self, name), self.vocab_size, "vocab_size")
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of every field."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DecoderOnlyConfig:
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: an unknown key (named), or an invalid value.
-        """
-        return _from_dict(cls, d)

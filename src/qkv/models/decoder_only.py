@@ -1,24 +1,69 @@
 """A GPT-style decoder-only language model: embeddings, positions, causal blocks, head.
 
-Each block is an :class:`~qkv.nn.layers.EncoderLayer` run with ``is_causal=True`` (a
-decoder-only block is self-attention + feed-forward with no cross-attention).
+The blocks are the shared :class:`~qkv.nn.stacks.Encoder` stack of
+:class:`~qkv.nn.layers.EncoderLayer` s run with ``is_causal=True`` (a decoder-only block is
+self-attention + feed-forward with no cross-attention), under the attribute ``blocks``.
+qkv 0.1 kept its own layer loop (state-dict keys ``layers.N.*`` and ``norm.*``);
+:func:`upgrade_state_dict` maps those keys, and ``load_state_dict`` applies it by itself.
 
 Shapes: B batch, T new tokens, S cached + new tokens, D model width, V vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
 import torch
 from torch import Tensor, nn
 
 from qkv import masks
-from qkv.models.config import DecoderOnlyConfig, layer_kwargs
-from qkv.models.transformer import check_ids, key_padding
+from qkv.models.config import DecoderOnlyConfig
+from qkv.models.generate import sample_decoder_only
+from qkv.models.inputs import check_ids, padding_from_ids, resolve_kv_cache
 from qkv.nn.kv_cache import KVCache
-from qkv.nn.layers import EncoderLayer, make_norm
+from qkv.nn.layers import EncoderLayer
+from qkv.nn.norms import make_norm
 from qkv.nn.positions import make_positional, position_inputs
+from qkv.nn.stacks import Encoder
 
-__all__ = ["DecoderOnlyLM"]
+__all__ = ["LEGACY_PREFIXES", "DecoderOnlyLM", "upgrade_state_dict"]
+
+_V = TypeVar("_V")
+
+LEGACY_PREFIXES: dict[str, str] = {"layers.": "blocks.layers.", "norm.": "blocks.norm."}
+"""State-dict key prefixes of qkv 0.1's ``DecoderOnlyLM`` and what they became."""
+
+
+def upgrade_state_dict(state_dict: Mapping[str, _V], prefix: str = "") -> dict[str, _V]:
+    """Rename qkv 0.1 ``DecoderOnlyLM`` keys (``layers.N.*``, ``norm.*``) to today's.
+
+    Keys already in today's form are kept, so upgrading twice changes nothing.
+
+    Args:
+        state_dict: keys to values (tensors, or shapes for a check before loading).
+        prefix: the model's own prefix inside a larger state dict.
+
+    Returns:
+        A new dict with the same values in the same order.
+    """
+    out: dict[str, _V] = {}
+    for key, value in state_dict.items():
+        for old, new in LEGACY_PREFIXES.items():
+            if key.startswith(prefix + old):
+                key = prefix + new + key[len(prefix + old) :]
+                break
+        out[key] = value
+    return out
+
+
+def _upgrade_on_load(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    upgraded = upgrade_state_dict(state_dict, prefix)
+    if list(upgraded) != list(state_dict):
+        state_dict.clear()
+        state_dict.update(upgraded)
 
 
 class DecoderOnlyLM(nn.Module):
@@ -26,7 +71,7 @@ class DecoderOnlyLM(nn.Module):
 
     Weights: normal(0, 0.02) for linear layers and embeddings (GPT-2), zero biases; with
     ``tie_embeddings`` the head shares the token embedding matrix. A pre-norm model ends with a
-    final norm; a post-norm one has ``norm = nn.Identity()`` (each block already ends in one).
+    final norm (``blocks.norm``); a post-norm one has none (each block already ends in one).
 
     Args:
         config: the architecture.
@@ -43,14 +88,11 @@ class DecoderOnlyLM(nn.Module):
         self.config = c
         D = c.d_model
         self.embed = nn.Embedding(c.vocab_size, D)
-        self.positional = make_positional(c.positional, D, c.num_heads, c.max_len)
+        self.positional = make_positional(c.positional, D, c.num_heads, c.max_positions)
         self.embed_dropout = nn.Dropout(c.dropout)
-        layer_kw = layer_kwargs(c)
-        self.layers = nn.ModuleList([EncoderLayer(**layer_kw) for _ in range(c.num_layers)])
-        self.norm: nn.Module = (
-            make_norm(c.norm, D, c.layer_norm_eps)  # type: ignore[arg-type]
-            if c.norm_first
-            else nn.Identity()
+        self.blocks = Encoder(
+            [EncoderLayer(**c.layer_kwargs()) for _ in range(c.num_layers)],
+            make_norm(c.norm, D, c.layer_norm_eps) if c.norm_first else None,
         )
         self.lm_head = nn.Linear(D, c.vocab_size, bias=False)
         for m in self.modules():
@@ -60,13 +102,27 @@ class DecoderOnlyLM(nn.Module):
                     nn.init.zeros_(m.bias)
         if c.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.register_load_state_dict_pre_hook(_upgrade_on_load)
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` (default capacity ``config.max_len``)."""
-        return KVCache(self.config.num_layers, max_len or self.config.max_len)
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty :class:`KVCache`.
+
+        Args:
+            capacity: tokens it holds, prompt included (default ``config.max_positions``).
+
+        Returns:
+            The cache, to pass as ``kv_cache=`` to :meth:`forward`.
+        """
+        c = self.config
+        return KVCache(c.num_layers, c.max_positions if capacity is None else capacity)
 
     def forward(
-        self, ids: Tensor, padding_mask: Tensor | None = None, cache: KVCache | None = None
+        self,
+        ids: Tensor,
+        padding_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        *,
+        cache: KVCache | None = None,
     ) -> Tensor:
         """Next-token logits at every position.
 
@@ -75,20 +131,21 @@ class DecoderOnlyLM(nn.Module):
                 from ``cache.length``.
             padding_mask: bool ``[B, T]``, True = padding; None: ``ids == config.pad_id`` when
                 ``pad_id`` is set, else no padding. Padding keys stay blocked in the cache.
-            cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
+            kv_cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
+            cache: deprecated spelling of ``kv_cache`` (one release).
 
         Returns:
             logits ``[B, T, V]``.
 
         Raises:
-            TypeError / ValueError: bad ids or mask, positions beyond ``max_len``.
+            TypeError / ValueError: bad ids or mask, positions beyond ``max_positions``, both
+                ``kv_cache`` and ``cache``.
         """
         c = self.config
-        check_ids("ids", ids, c.vocab_size)
+        cache = resolve_kv_cache(kv_cache, cache)
+        check_ids("ids", ids, c.vocab_size, field="vocab_size")
         T = ids.shape[1]
-        if padding_mask is None and c.pad_id is not None:
-            padding_mask = ids == c.pad_id
-        is_pad = key_padding(padding_mask, ids, "padding_mask")
+        is_pad = padding_from_ids(ids, padding_mask, c.pad_id, "padding_mask")
         offset = 0
         if cache is not None:
             offset = cache.length
@@ -97,17 +154,10 @@ class DecoderOnlyLM(nn.Module):
         x = self.embed(ids)  # [B, T, D]
         x, pos = position_inputs(self.positional, x, offset, causal=True)
         x = self.embed_dropout(x)  # [B, T, D]
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x,
-                mask,
-                is_causal=True,
-                attn_bias=pos.attn_bias,
-                rope=pos.rope,
-                kv_cache=cache,
-                layer_idx=i,
-            )  # [B, T, D]
-        return self.lm_head(self.norm(x))  # [B, T, V]
+        x = self.blocks(
+            x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
+        )  # [B, T, D]
+        return self.lm_head(x)  # [B, T, V]
 
     @torch.no_grad()
     def generate(
@@ -137,10 +187,8 @@ class DecoderOnlyLM(nn.Module):
             long ``[B, T0 + n]`` (shorter when every row has produced ``eos_id``).
 
         Raises:
-            ValueError: n < 1, ``T0 + n > max_len``, temperature <= 0, top_k < 1.
+            ValueError: n < 1, ``T0 + n > max_positions``, temperature <= 0, top_k < 1.
         """
-        from qkv.models.generate import sample_decoder_only
-
         return sample_decoder_only(
             self,
             ids,

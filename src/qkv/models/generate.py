@@ -4,6 +4,9 @@ top-k sampling (decoder-only).
 Every loop feeds only the newest token(s) to the model; the cache supplies the rest, so a step
 costs the same at position 10 as at position 1000 (up to the attention over the cache).
 
+This module imports no model module at run time (the models import it); the models reach it
+through :meth:`Transformer.generate` / :meth:`DecoderOnlyLM.generate`.
+
 Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 """
 
@@ -14,6 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from qkv.checks import check_positive_int
+from qkv.models.inputs import check_ids
+
 if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
     from qkv.models.transformer import Transformer
@@ -21,31 +27,14 @@ if TYPE_CHECKING:
 __all__ = ["beam_search", "greedy_encoder_decoder", "sample_decoder_only"]
 
 
-def _check_steps(max_new_tokens: object, start: int, max_len: int) -> int:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
-        raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if start + max_new_tokens > max_len:
+def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
+    n = check_positive_int("max_new_tokens", max_new_tokens)
+    if start + n > max_positions:
         raise ValueError(
-            f"{start} prompt tokens + max_new_tokens={max_new_tokens} exceed the model's "
-            f"max_len={max_len}"
+            f"{start} prompt tokens + max_new_tokens={n} exceed the model's "
+            f"max_positions={max_positions}"
         )
-    return max_new_tokens
-
-
-def _src_padding(model: Transformer, src: Tensor, src_padding_mask: Tensor | None) -> Tensor:
-    from qkv.models.transformer import check_ids
-
-    check_ids("src", src, model.config.src_vocab_size)
-    if src_padding_mask is None:
-        return src == model.config.pad_id  # [B, S]
-    if src_padding_mask.dtype != torch.bool or src_padding_mask.shape != src.shape:
-        raise ValueError(
-            f"src_padding_mask must be bool {tuple(src.shape)}, got {src_padding_mask.dtype} "
-            f"{tuple(src_padding_mask.shape)}"
-        )
-    return src_padding_mask
+    return n
 
 
 def greedy_encoder_decoder(
@@ -53,16 +42,16 @@ def greedy_encoder_decoder(
 ) -> Tensor:
     """Greedy decoding; see :meth:`Transformer.generate`."""
     c = model.config
-    n = _check_steps(max_new_tokens, 1, c.max_len)
-    is_pad = _src_padding(model, src, src_padding_mask)  # [B, S]
-    memory = model.encode(src, is_pad)  # [B, S, D]
+    n = _check_steps(max_new_tokens, 1, c.max_positions)
+    is_pad = model.source_padding(src, src_padding_mask)  # [B, S] or None
+    memory = model.encode_padded(src, is_pad)  # [B, S, D]
     B = src.shape[0]
     cache = model.new_cache(1 + n)
     out = torch.full((B, 1), c.bos_id, dtype=torch.long, device=src.device)  # [B, 1]
     finished = torch.zeros(B, dtype=torch.bool, device=src.device)  # [B]
     step_in = out
     for _ in range(n):
-        logits = model.decode(step_in, memory, is_pad, cache=cache)[:, -1]  # [B, V]
+        logits = model.decode(step_in, memory, is_pad, kv_cache=cache)[:, -1]  # [B, V]
         nxt = logits.argmax(dim=-1)  # [B]
         nxt = torch.where(finished, torch.full_like(nxt, c.pad_id), nxt)  # [B]
         out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]
@@ -94,16 +83,15 @@ def beam_search(
         ValueError: ``beam_size < 1`` or bad ``max_new_tokens``.
     """
     c = model.config
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
-    n = _check_steps(max_new_tokens, 1, c.max_len)
+    check_positive_int("beam_size", beam_size)
+    n = _check_steps(max_new_tokens, 1, c.max_positions)
     lp = float(length_penalty)
     K = beam_size
-    is_pad = _src_padding(model, src, src_padding_mask)  # [B, S]
+    src_pad = model.source_padding(src, src_padding_mask)  # [B, S] or None
     B = src.shape[0]
     dev = src.device
-    memory = model.encode(src, is_pad).repeat_interleave(K, dim=0)  # [B*K, S, D]
-    is_pad = is_pad.repeat_interleave(K, dim=0)  # [B*K, S]
+    memory = model.encode_padded(src, src_pad).repeat_interleave(K, dim=0)  # [B*K, S, D]
+    is_pad = None if src_pad is None else src_pad.repeat_interleave(K, dim=0)  # [B*K, S]
     cache = model.new_cache(1 + n)
     seqs = torch.full((B * K, 1), c.bos_id, dtype=torch.long, device=dev)  # [B*K, 1]
     scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
@@ -112,7 +100,7 @@ def beam_search(
     done = [False] * B
     step_in = seqs
     for step in range(1, n + 1):
-        logits = model.decode(step_in, memory, is_pad, cache=cache)[:, -1]  # [B*K, V]
+        logits = model.decode(step_in, memory, is_pad, kv_cache=cache)[:, -1]  # [B*K, V]
         logp = torch.log_softmax(logits.float(), dim=-1)  # [B*K, V]
         V = logp.shape[-1]
         cand = (scores.reshape(B * K, 1) + logp).reshape(B, K * V)  # [B, K*V]
@@ -182,19 +170,17 @@ def sample_decoder_only(
     generator: torch.Generator | None,
 ) -> Tensor:
     """Greedy / temperature / top-k decoding; see :meth:`DecoderOnlyLM.generate`."""
-    from qkv.models.transformer import check_ids
-
     c = model.config
-    check_ids("ids", ids, c.vocab_size)
-    n = _check_steps(max_new_tokens, ids.shape[1], c.max_len)
+    check_ids("ids", ids, c.vocab_size, field="vocab_size")
+    n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
     if not greedy and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_k is not None:
+        check_positive_int("top_k", top_k)
     fill = c.pad_id if c.pad_id is not None else eos_id
     B = ids.shape[0]
     cache = model.new_cache(ids.shape[1] + n)
-    logits = model(ids, cache=cache)[:, -1]  # [B, V]
+    logits = model(ids, kv_cache=cache)[:, -1]  # [B, V]
     out = ids
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]
     for step in range(n):
@@ -207,7 +193,7 @@ def sample_decoder_only(
         if eos_id is not None and bool(finished.all()):
             break
         if step < n - 1:
-            logits = model(nxt[:, None], cache=cache)[:, -1]  # [B, V]
+            logits = model(nxt[:, None], kv_cache=cache)[:, -1]  # [B, V]
     return out
 
 

@@ -13,51 +13,17 @@ import torch
 from torch import Tensor, nn
 
 from qkv.masks import padding_mask
-from qkv.models.config import TransformerConfig, layer_kwargs
+from qkv.models.config import TransformerConfig
+from qkv.models.generate import beam_search, greedy_encoder_decoder
+from qkv.models.inputs import check_ids, key_padding, padding_from_ids, resolve_kv_cache
 from qkv.nn.kv_cache import KVCache
-from qkv.nn.layers import DecoderLayer, EncoderLayer, make_norm
+from qkv.nn.layers import DecoderLayer, EncoderLayer
+from qkv.nn.norms import make_norm
 from qkv.nn.positions import make_positional, position_inputs
 from qkv.nn.stacks import Decoder, Encoder
 
+# check_ids / key_padding were defined here in 0.1; kept importable from here for one release.
 __all__ = ["Transformer", "check_ids", "key_padding"]
-
-
-def check_ids(name: str, ids: object, vocab: int) -> Tensor:
-    """Check a ``[B, L]`` integer token tensor.
-
-    Raises:
-        TypeError: not an integer tensor.
-        ValueError: not 2-D, empty, or ids outside ``[0, vocab)``.
-    """
-    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
-        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
-        raise TypeError(f"{name} must be an integer tensor of token ids, got {got}")
-    if ids.dim() != 2 or ids.numel() == 0:
-        raise ValueError(f"{name} must be [B, L] with B, L >= 1, got {tuple(ids.shape)}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"{name} holds ids in [{lo}, {hi}], outside the vocabulary [0, {vocab})")
-    return ids
-
-
-def key_padding(is_pad: Tensor | None, ids: Tensor, name: str) -> Tensor | None:
-    """A ``[B, L]`` True = padding mask, checked against ``ids``; None when nothing is padding.
-
-    Returning None when no position is padding keeps the mask out of the attention entirely.
-
-    Raises:
-        TypeError / ValueError: not bool, or not the shape of ``ids``.
-    """
-    if is_pad is None:
-        return None
-    if not isinstance(is_pad, Tensor) or is_pad.dtype != torch.bool:
-        got = is_pad.dtype if isinstance(is_pad, Tensor) else type(is_pad).__name__
-        raise TypeError(f"{name} must be a bool tensor (True = padding), got {got}")
-    if is_pad.shape != ids.shape:
-        raise ValueError(
-            f"{name} must have the token shape {tuple(ids.shape)}, got {tuple(is_pad.shape)}"
-        )
-    return is_pad if bool(is_pad.any()) else None
 
 
 class Transformer(nn.Module):
@@ -84,16 +50,16 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(D)
         self.src_embed = nn.Embedding(c.src_vocab_size, D)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
-        self.positional = make_positional(c.positional, D, c.num_heads, c.max_len)
+        self.positional = make_positional(c.positional, D, c.num_heads, c.max_positions)
         self.embed_dropout = nn.Dropout(c.dropout)
-        layer_kw = layer_kwargs(c)
+        layer_kw = c.layer_kwargs()
         self.encoder = Encoder(
             [EncoderLayer(**layer_kw) for _ in range(c.num_encoder_layers)],
-            make_norm(c.norm, D, c.layer_norm_eps),  # type: ignore[arg-type]
+            make_norm(c.norm, D, c.layer_norm_eps),
         )
         self.decoder = Decoder(
             [DecoderLayer(**layer_kw) for _ in range(c.num_decoder_layers)],
-            make_norm(c.norm, D, c.layer_norm_eps),  # type: ignore[arg-type]
+            make_norm(c.norm, D, c.layer_norm_eps),
         )
         self.lm_head = nn.Linear(D, c.tgt_vocab_size, bias=False)
         for p in self.parameters():
@@ -102,14 +68,36 @@ class Transformer(nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        """An empty :class:`KVCache` for the decoder (default capacity ``config.max_len``)."""
-        return KVCache(self.config.num_decoder_layers, max_len or self.config.max_len)
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for the decoder.
 
-    def _src_is_pad(self, src: Tensor, src_padding_mask: Tensor | None) -> Tensor | None:
-        if src_padding_mask is None:
-            return key_padding(src == self.config.pad_id, src, "src_padding_mask")
-        return key_padding(src_padding_mask, src, "src_padding_mask")
+        Args:
+            capacity: target tokens it holds (default ``config.max_positions``).
+
+        Returns:
+            The cache, to pass as ``kv_cache=`` to :meth:`decode`.
+        """
+        c = self.config
+        return KVCache(c.num_decoder_layers, c.max_positions if capacity is None else capacity)
+
+    def source_padding(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor | None:
+        """Check ``src`` and give its padding: the caller's mask, else ``src == pad_id``.
+
+        The one place the source padding is computed; :meth:`forward` and
+        :mod:`qkv.models.generate` both call it.
+
+        Args:
+            src: source ids ``[B, S]``.
+            src_padding_mask: bool ``[B, S]``, True = padding, or None.
+
+        Returns:
+            bool ``[B, S]``, or None when nothing is padding.
+
+        Raises:
+            TypeError / ValueError: bad ids or mask.
+        """
+        check_ids("src", src, self.config.src_vocab_size, field="src_vocab_size")
+        return padding_from_ids(src, src_padding_mask, self.config.pad_id, "src_padding_mask")
 
     def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
         """Run the encoder.
@@ -124,10 +112,18 @@ class Transformer(nn.Module):
         Raises:
             TypeError / ValueError: bad ids or mask.
         """
-        check_ids("src", src, self.config.src_vocab_size)
-        return self._encode(src, self._src_is_pad(src, src_padding_mask))
+        return self.encode_padded(src, self.source_padding(src, src_padding_mask))
 
-    def _encode(self, src: Tensor, is_pad: Tensor | None) -> Tensor:
+    def encode_padded(self, src: Tensor, is_pad: Tensor | None) -> Tensor:
+        """Run the encoder on ids whose padding :meth:`source_padding` already gave.
+
+        Args:
+            src: source ids ``[B, S]``, checked.
+            is_pad: bool ``[B, S]``, True = padding, or None for no padding.
+
+        Returns:
+            memory ``[B, S, D]``.
+        """
         mask = None if is_pad is None else padding_mask(is_pad)  # [B, 1, 1, S]
         x = self.src_embed(src) * self.embed_scale  # [B, S, D]
         x, pos = position_inputs(self.positional, x, 0, causal=False)
@@ -140,6 +136,8 @@ class Transformer(nn.Module):
         memory: Tensor,
         src_padding_mask: Tensor | None = None,
         tgt_padding_mask: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        *,
         cache: KVCache | None = None,
     ) -> Tensor:
         """Run the decoder and the head.
@@ -151,27 +149,26 @@ class Transformer(nn.Module):
             src_padding_mask: bool ``[B, S]``, True = padding; None: no source padding (the
                 source ids are not at hand here; :meth:`forward` passes the derived mask).
             tgt_padding_mask: bool ``[B, T]``, True = padding; None: ``tgt == config.pad_id``.
-            cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
+            kv_cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
+            cache: deprecated spelling of ``kv_cache`` (one release).
 
         Returns:
             logits ``[B, T, V]``.
 
         Raises:
-            TypeError / ValueError: bad ids, masks or memory shape.
+            TypeError / ValueError: bad ids, masks or memory shape; both ``kv_cache`` and
+                ``cache``.
         """
         c = self.config
-        check_ids("tgt", tgt, c.tgt_vocab_size)
+        cache = resolve_kv_cache(kv_cache, cache)
+        check_ids("tgt", tgt, c.tgt_vocab_size, field="tgt_vocab_size")
         if memory.dim() != 3 or memory.shape[0] != tgt.shape[0] or memory.shape[2] != c.d_model:
             raise ValueError(
                 f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
                 f"got {tuple(memory.shape)}"
             )
         T = tgt.shape[1]
-        is_pad = key_padding(
-            tgt == c.pad_id if tgt_padding_mask is None else tgt_padding_mask,
-            tgt,
-            "tgt_padding_mask",
-        )
+        is_pad = padding_from_ids(tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask")
         offset = 0
         if cache is not None:
             offset = cache.length
@@ -218,9 +215,8 @@ class Transformer(nn.Module):
         Returns:
             logits ``[B, T, V]``.
         """
-        check_ids("src", src, self.config.src_vocab_size)
-        is_pad = self._src_is_pad(src, src_padding_mask)
-        memory = self._encode(src, is_pad)  # [B, S, D]
+        is_pad = self.source_padding(src, src_padding_mask)
+        memory = self.encode_padded(src, is_pad)  # [B, S, D]
         return self.decode(tgt, memory, is_pad, tgt_padding_mask)
 
     @torch.no_grad()
@@ -248,10 +244,8 @@ class Transformer(nn.Module):
             when produced; rows that finished early are right-padded with ``pad_id``.
 
         Raises:
-            ValueError: ``max_new_tokens`` < 1 or beyond ``max_len - 1``, ``beam_size`` < 1.
+            ValueError: ``max_new_tokens`` < 1 or beyond ``max_positions - 1``, ``beam_size`` < 1.
         """
-        from qkv.models.generate import beam_search, greedy_encoder_decoder
-
         if beam_size == 1:
             return greedy_encoder_decoder(self, src, max_new_tokens, src_padding_mask)
         return beam_search(self, src, max_new_tokens, src_padding_mask, beam_size, length_penalty)

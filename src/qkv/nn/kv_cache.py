@@ -3,8 +3,8 @@
 It lives outside the attention modules (one cache per model and per generation), so a module
 stays a pure function of its inputs and weights. Each self-attention layer calls
 :meth:`KVCache.update` with the keys/values of its *new* tokens and attends over everything
-returned; storage is preallocated to ``max_len`` on first use, so appending costs the size of the
-new tokens only and the per-token cost of decoding stays flat.
+returned; storage is preallocated to ``capacity`` tokens on first use, so appending costs the
+size of the new tokens only and the per-token cost of decoding stays flat.
 
 Cross-attention keys/values (from the encoder output, fixed during decoding) are computed once
 and kept with :meth:`set_cross` / :meth:`get_cross`.
@@ -14,8 +14,12 @@ Shapes: B batch, Hkv key/value heads, T new tokens, S cached + new tokens, Dh he
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
+
+from qkv.checks import check_positive_int
 
 __all__ = ["KVCache"]
 
@@ -25,25 +29,44 @@ class KVCache:
 
     Args:
         num_layers: number of attention layers that will call :meth:`update`.
-        max_len: capacity in tokens.
+        capacity: the most tokens (cached + new) each layer holds.
+        max_len: deprecated spelling of ``capacity`` (one release).
 
     Raises:
-        ValueError: non-positive sizes.
+        TypeError: sizes that are not ints.
+        ValueError: non-positive sizes, or both ``capacity`` and ``max_len``.
     """
 
-    def __init__(self, num_layers: int, max_len: int) -> None:
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        if not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-        self.num_layers = num_layers
-        self.max_len = max_len
+    def __init__(
+        self, num_layers: int, capacity: int | None = None, *, max_len: int | None = None
+    ) -> None:
+        if max_len is not None:
+            warnings.warn(
+                "KVCache(max_len=) is deprecated; use KVCache(num_layers, capacity)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if capacity is not None:
+                raise ValueError(f"pass capacity only, got {capacity=} and {max_len=}")
+            capacity = max_len
+        if capacity is None:
+            raise TypeError("KVCache needs a capacity")
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.capacity = check_positive_int("capacity", capacity)
         self._k: list[Tensor | None] = [None] * num_layers
         self._v: list[Tensor | None] = [None] * num_layers
         self._lengths = [0] * num_layers
         self._cross: dict[int, tuple[Tensor, Tensor]] = {}
         self._padding: Tensor | None = None  # [B, S] True = padding key, or None
         self._padding_len = 0
+
+    @property
+    def max_len(self) -> int:
+        """Deprecated alias of :attr:`capacity` (one release)."""
+        warnings.warn(
+            "KVCache.max_len is deprecated; use KVCache.capacity", DeprecationWarning, stacklevel=2
+        )
+        return self.capacity
 
     @property
     def length(self) -> int:
@@ -87,15 +110,15 @@ class KVCache:
                 f"other layers {self.length}); call each layer's update once per step"
             )
         T = k.shape[2]
-        if start + T > self.max_len:
+        if start + T > self.capacity:
             raise RuntimeError(
-                f"KV cache overflow: {start} cached + {T} new tokens > max_len={self.max_len}"
+                f"KV cache overflow: {start} cached + {T} new tokens > capacity={self.capacity}"
             )
         ck, cv = self._k[layer_idx], self._v[layer_idx]
         if ck is None or cv is None:
             B, Hkv, _, Dh = k.shape
-            ck = k.new_empty(B, Hkv, self.max_len, Dh)  # [B, Hkv, max_len, Dh]
-            cv = v.new_empty(B, Hkv, self.max_len, v.shape[3])  # [B, Hkv, max_len, Dv]
+            ck = k.new_empty(B, Hkv, self.capacity, Dh)  # [B, Hkv, capacity, Dh]
+            cv = v.new_empty(B, Hkv, self.capacity, v.shape[3])  # [B, Hkv, capacity, Dv]
             self._k[layer_idx], self._v[layer_idx] = ck, cv
         elif (
             ck.shape[:2] != k.shape[:2]
@@ -190,5 +213,5 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (
-            f"KVCache(num_layers={self.num_layers}, max_len={self.max_len}, length={self.length})"
+            f"KVCache(num_layers={self.num_layers}, capacity={self.capacity}, length={self.length})"
         )

@@ -2,53 +2,34 @@
 connection with normalization before (``norm_first=True``, pre-norm) or after (post-norm, the
 original Transformer and ``nn.Transformer``'s default) the sublayer.
 
+Both layers share one constructor (:class:`_Layer`): a decoder layer is an encoder layer plus a
+cross-attention block with its own norm and dropout. The attribute names are the state-dict keys
+(``self_attn``, ``cross_attn``, ``ffn``, ``norm1..3``), fixed for checkpoints and converters.
+
 Shapes: B batch, T target length, S source length, D model width, H heads.
 Masks are in qkv's convention (bool, True = blocked, broadcastable to ``[B, H, T, S]``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from qkv.nn.feed_forward import Activation, FeedForward
 from qkv.nn.multihead import MultiHeadAttention
+from qkv.nn.norms import NormKind, make_norm
 
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
 
-NormKind = Literal["layer", "rms"]
-
 __all__ = ["DecoderLayer", "EncoderLayer", "NormKind", "make_norm"]
 
 
-def make_norm(
-    kind: NormKind,
-    d_model: int,
-    eps: float,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """``nn.LayerNorm`` (``"layer"``) or ``nn.RMSNorm`` (``"rms"``) over the last dim.
-
-    Raises:
-        ValueError: unknown kind.
-    """
-    if kind == "layer":
-        return nn.LayerNorm(d_model, eps=eps, device=device, dtype=dtype)
-    if kind == "rms":
-        return nn.RMSNorm(d_model, eps=eps, device=device, dtype=dtype)
-    raise ValueError(f"norm must be 'layer' or 'rms', got {kind!r}")
-
-
-class EncoderLayer(nn.Module):
-    """Bidirectional self-attention then feed-forward, each with residual + norm.
-
-    Post-norm: ``x = norm1(x + drop(attn(x))); x = norm2(x + drop(ffn(x)))``.
-    Pre-norm: ``x = x + drop(attn(norm1(x))); x = x + drop(ffn(norm2(x)))``.
+class _Layer(nn.Module):
+    """The parts every layer has: self-attention, feed-forward, one norm and one dropout per
+    sublayer; :attr:`_cross` adds the cross-attention block (decoder layers).
 
     Args:
         d_model: D.
@@ -64,6 +45,12 @@ class EncoderLayer(nn.Module):
         device: parameter device.
         dtype: parameter dtype.
     """
+
+    _cross: ClassVar[bool] = False
+    norm1: nn.Module
+    norm2: nn.Module
+    dropout1: nn.Dropout
+    dropout2: nn.Dropout
 
     def __init__(
         self,
@@ -84,20 +71,37 @@ class EncoderLayer(nn.Module):
         super().__init__()
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
-        )
+        attn_kw: dict[str, Any] = {
+            "num_kv_heads": num_kv_heads,
+            "bias": bias,
+            "dropout": dropout,
+            **factory,
+        }
+        self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
+        if self._cross:
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
         self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=bias, **factory)
-        self.norm1 = make_norm(norm, d_model, layer_norm_eps, **factory)
-        self.norm2 = make_norm(norm, d_model, layer_norm_eps, **factory)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+        sublayers = 3 if self._cross else 2
+        for i in range(1, sublayers + 1):
+            setattr(self, f"norm{i}", make_norm(norm, d_model, layer_norm_eps, **factory))
+        for i in range(1, sublayers + 1):
+            setattr(self, f"dropout{i}", nn.Dropout(dropout))
 
-    def _attn_block(
+    def _self_block(
         self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
     ) -> Tensor:
         out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
         return self.dropout1(out)  # [B, T, D]
+
+
+class EncoderLayer(_Layer):
+    """Bidirectional self-attention then feed-forward, each with residual + norm.
+
+    Post-norm: ``x = norm1(x + drop(attn(x))); x = norm2(x + drop(ffn(x)))``.
+    Pre-norm: ``x = x + drop(attn(norm1(x))); x = x + drop(ffn(norm2(x)))``.
+
+    Args: as :class:`_Layer`.
+    """
 
     def forward(
         self,
@@ -130,58 +134,24 @@ class EncoderLayer(nn.Module):
             "layer_idx": layer_idx,
         }
         if self.norm_first:
-            x = x + self._attn_block(self.norm1(x), mask, is_causal, extra)  # [B, T, D]
+            x = x + self._self_block(self.norm1(x), mask, is_causal, extra)  # [B, T, D]
             x = x + self.dropout2(self.ffn(self.norm2(x)))  # [B, T, D]
         else:
-            x = self.norm1(x + self._attn_block(x, mask, is_causal, extra))  # [B, T, D]
+            x = self.norm1(x + self._self_block(x, mask, is_causal, extra))  # [B, T, D]
             x = self.norm2(x + self.dropout2(self.ffn(x)))  # [B, T, D]
         return x
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     """Causal self-attention, cross-attention to the encoder output, feed-forward.
 
-    Args: as :class:`EncoderLayer`.
+    Args: as :class:`_Layer`.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        dim_feedforward: int = 2048,
-        dropout: float = 0.1,
-        activation: Activation = "relu",
-        *,
-        norm_first: bool = False,
-        layer_norm_eps: float = 1e-5,
-        norm: NormKind = "layer",
-        num_kv_heads: int | None = None,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
-        )
-        self.cross_attn = MultiHeadAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout, **factory
-        )
-        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=bias, **factory)
-        self.norm1 = make_norm(norm, d_model, layer_norm_eps, **factory)
-        self.norm2 = make_norm(norm, d_model, layer_norm_eps, **factory)
-        self.norm3 = make_norm(norm, d_model, layer_norm_eps, **factory)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
-
-    def _self_block(
-        self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
-    ) -> Tensor:
-        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
-        return self.dropout1(out)  # [B, T, D]
+    _cross = True
+    cross_attn: MultiHeadAttention
+    norm3: nn.Module
+    dropout3: nn.Dropout
 
     def _cross_block(
         self, x: Tensor, memory: Tensor, mask: Tensor | None, extra: dict[str, Any]

@@ -37,39 +37,41 @@ __all__ = [
 ]
 
 
-def _check_span(offset: int, T: int, max_len: int, what: str) -> None:
+def _check_span(offset: int, T: int, max_positions: int, what: str) -> None:
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
-    if offset + T > max_len:
+    if offset + T > max_positions:
         raise ValueError(
-            f"{what}: positions {offset}..{offset + T - 1} exceed max_len={max_len}; "
-            "build the model with a larger max_len"
+            f"{what}: positions {offset}..{offset + T - 1} exceed max_positions={max_positions}; "
+            "build the model with a larger max_positions"
         )
 
 
 # --- sinusoidal ---------------------------------------------------------------------------------
 
 
-def sinusoidal_table(max_len: int, d_model: int, *, base: float = 10000.0) -> Tensor:
+def sinusoidal_table(max_positions: int, d_model: int, *, base: float = 10000.0) -> Tensor:
     """``PE[p, 2i] = sin(p / base^(2i/D))``, ``PE[p, 2i+1] = cos(p / base^(2i/D))``.
 
     Args:
-        max_len: number of positions.
+        max_positions: number of positions.
         d_model: D (an odd D drops the last cosine column).
         base: the wavelength base (10000 in the paper).
 
     Returns:
-        float32 ``[max_len, D]``.
+        float32 ``[max_positions, D]``.
 
     Raises:
         ValueError: non-positive sizes.
     """
-    if max_len < 1 or d_model < 1:
-        raise ValueError(f"max_len and d_model must be positive, got {max_len}, {d_model}")
-    pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # [L, 1]
+    if max_positions < 1 or d_model < 1:
+        raise ValueError(
+            f"max_positions and d_model must be positive, got {max_positions}, {d_model}"
+        )
+    pos = torch.arange(max_positions, dtype=torch.float64)[:, None]  # [L, 1]
     inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # [ceil(D/2)]
     angles = pos * inv_freq[None, :]  # [L, ceil(D/2)]
-    table = torch.zeros(max_len, d_model, dtype=torch.float64)  # [L, D]
+    table = torch.zeros(max_positions, d_model, dtype=torch.float64)  # [L, D]
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles)[:, : d_model // 2]
     return table.to(torch.float32)
@@ -80,24 +82,24 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     Args:
         d_model: D.
-        max_len: the longest sequence (including cached tokens).
+        max_positions: the longest sequence (including cached tokens).
     """
 
     table: Tensor
 
-    def __init__(self, d_model: int, max_len: int) -> None:
+    def __init__(self, d_model: int, max_positions: int) -> None:
         super().__init__()
-        self.max_len = max_len
-        self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        self.max_positions = max_positions
+        self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``. Returns ``[B, T, D]``.
 
         Raises:
-            ValueError: positions beyond ``max_len``.
+            ValueError: positions beyond ``max_positions``.
         """
         T = x.shape[1]
-        _check_span(offset, T, self.max_len, "sinusoidal positions")
+        _check_span(offset, T, self.max_positions, "sinusoidal positions")
         return x + self.table[offset : offset + T].to(x.dtype)  # [B, T, D]
 
 
@@ -109,23 +111,23 @@ class LearnedPositionalEmbedding(nn.Module):
 
     Args:
         d_model: D.
-        max_len: number of positions.
+        max_positions: number of positions.
     """
 
-    def __init__(self, d_model: int, max_len: int) -> None:
+    def __init__(self, d_model: int, max_positions: int) -> None:
         super().__init__()
-        self.max_len = max_len
-        self.embedding = nn.Embedding(max_len, d_model)
+        self.max_positions = max_positions
+        self.embedding = nn.Embedding(max_positions, d_model)
         nn.init.normal_(self.embedding.weight, std=0.02)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``. Returns ``[B, T, D]``.
 
         Raises:
-            ValueError: positions beyond ``max_len``.
+            ValueError: positions beyond ``max_positions``.
         """
         T = x.shape[1]
-        _check_span(offset, T, self.max_len, "learned positions")
+        _check_span(offset, T, self.max_positions, "learned positions")
         return x + self.embedding.weight[offset : offset + T].to(x.dtype)  # [B, T, D]
 
 
@@ -179,14 +181,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the RoPE cos/sin tables up to ``max_len`` (not saved) and slices them by offset.
+    """Holds the RoPE cos/sin tables up to ``max_positions`` (not saved) and slices them by offset.
 
     The model calls it once per forward and hands ``(cos, sin)`` to every attention layer, which
     rotates its queries and (new) keys before caching them.
 
     Args:
         head_dim: Dh, even.
-        max_len: the longest sequence.
+        max_positions: the longest sequence.
         base: the wavelength base.
 
     Raises:
@@ -196,11 +198,11 @@ class RotaryEmbedding(nn.Module):
     cos: Tensor
     sin: Tensor
 
-    def __init__(self, head_dim: int, max_len: int, *, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, max_positions: int, *, base: float = 10000.0) -> None:
         super().__init__()
-        self.max_len = max_len
+        self.max_positions = max_positions
         self.head_dim = head_dim
-        cos, sin = rotary_cos_sin(torch.arange(max_len), head_dim, base=base)
+        cos, sin = rotary_cos_sin(torch.arange(max_positions), head_dim, base=base)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -208,9 +210,9 @@ class RotaryEmbedding(nn.Module):
         """Returns ``(cos, sin)``, each ``[T, Dh]``, for positions ``offset .. offset + T - 1``.
 
         Raises:
-            ValueError: positions beyond ``max_len``.
+            ValueError: positions beyond ``max_positions``.
         """
-        _check_span(offset, T, self.max_len, "rotary positions")
+        _check_span(offset, T, self.max_positions, "rotary positions")
         return self.cos[offset : offset + T], self.sin[offset : offset + T]  # [T, Dh] each
 
 

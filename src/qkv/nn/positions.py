@@ -9,6 +9,7 @@ Shapes: B batch, T new tokens, S keys (cached + new), D model width, H heads, Dh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import Tensor, nn
 
@@ -19,7 +20,10 @@ from qkv.nn.positional import (
     SinusoidalPositionalEncoding,
 )
 
-__all__ = ["LayerPositions", "make_positional", "position_inputs"]
+__all__ = ["POSITIONALS", "LayerPositions", "Positional", "make_positional", "position_inputs"]
+
+Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "none"]
+POSITIONALS: tuple[Positional, ...] = ("sinusoidal", "learned", "rotary", "alibi", "none")
 
 
 @dataclass
@@ -30,23 +34,34 @@ class LayerPositions:
     attn_bias: Tensor | None = None
 
 
-def make_positional(kind: str, d_model: int, num_heads: int, max_len: int) -> nn.Module | None:
+def make_positional(
+    kind: Positional, d_model: int, num_heads: int, max_positions: int
+) -> nn.Module | None:
     """The module for ``positional=kind``, or None for ``"none"``.
+
+    Args:
+        kind: one of :data:`POSITIONALS`.
+        d_model: D.
+        num_heads: H (rotary tables are per head width, ALiBi slopes per head).
+        max_positions: the longest sequence the tables cover.
+
+    Returns:
+        The positional module, or None.
 
     Raises:
         ValueError: unknown kind.
     """
     if kind == "sinusoidal":
-        return SinusoidalPositionalEncoding(d_model, max_len)
+        return SinusoidalPositionalEncoding(d_model, max_positions)
     if kind == "learned":
-        return LearnedPositionalEmbedding(d_model, max_len)
+        return LearnedPositionalEmbedding(d_model, max_positions)
     if kind == "rotary":
-        return RotaryEmbedding(d_model // num_heads, max_len)
+        return RotaryEmbedding(d_model // num_heads, max_positions)
     if kind == "alibi":
         return ALiBi(num_heads)
     if kind == "none":
         return None
-    raise ValueError(f"unknown positional kind {kind!r}")
+    raise ValueError(f"positional must be one of {POSITIONALS}, got {kind!r}")
 
 
 def position_inputs(

@@ -187,7 +187,7 @@ def build_model(cfg: TrainConfig, task: Seq2SeqTask | TextTask) -> tuple[nn.Modu
         dcfg = DecoderOnlyConfig(
             vocab_size=V,
             num_layers=cfg.num_layers,
-            max_len=cfg.block_size + 1,
+            max_positions=cfg.block_size + 1,
             pad_id=PAD_ID,
             eos_id=EOS_ID,
             **common,
@@ -199,7 +199,7 @@ def build_model(cfg: TrainConfig, task: Seq2SeqTask | TextTask) -> tuple[nn.Modu
         tgt_vocab_size=V,
         num_encoder_layers=cfg.num_layers,
         num_decoder_layers=cfg.num_layers,
-        max_len=max(task.max_src_len, task.max_tgt_len) + 2,
+        max_positions=max(task.max_src_len, task.max_tgt_len) + 2,
         pad_id=PAD_ID,
         bos_id=BOS_ID,
         eos_id=EOS_ID,

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.train.checkpoint import Checkpoint, check_weights_match, load_checkpoint
-from qkv.train.config import model_from_config
+from qkv.models.registry import load_weights, model_from_config
+from qkv.train.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from qkv.train.tasks import BOS_ID, EOS_ID, PAD_ID, Seq2SeqTask, TextTask, task_from_spec
 
 __all__ = ["Generation", "generate_text", "load_trained"]
@@ -25,8 +25,10 @@ def load_trained(path: str | Path) -> tuple[nn.Module, Seq2SeqTask | TextTask, C
     """
     ckpt = load_checkpoint(path)
     model = model_from_config(ckpt.model_type, ckpt.model_config)
-    check_weights_match(model, ckpt.weights, str(ckpt.path))
-    model.load_state_dict(ckpt.weights)
+    try:
+        load_weights(model, ckpt.weights, str(ckpt.path))  # maps qkv 0.1 keys, then strict
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     return model.eval(), task_from_spec(ckpt.task), ckpt
 
 

@@ -1,0 +1,124 @@
+"""Checks of what a model is called with: token ids, padding masks, the KV-cache keyword.
+
+Every model (and :mod:`qkv.models.generate`) imports these from here, below the model modules,
+so that no model module imports another.
+
+Shapes: B batch, L sequence length.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from qkv.nn.kv_cache import KVCache
+
+__all__ = ["check_ids", "key_padding", "padding_from_ids", "resolve_kv_cache"]
+
+
+def check_ids(
+    name: str,
+    ids: object,
+    vocab: int,
+    *,
+    field: str = "vocab",
+    shape: tuple[int, ...] | None = None,
+) -> Tensor:
+    """Check a ``[B, L]`` integer token tensor.
+
+    Args:
+        name: the argument's name, for the message.
+        ids: the tensor.
+        vocab: ids must lie in ``[0, vocab)``.
+        field: what ``vocab`` is called (a config field such as ``"type_vocab_size"``).
+        shape: the exact shape wanted (default: any non-empty ``[B, L]``).
+
+    Returns:
+        ``ids``.
+
+    Raises:
+        TypeError: not an int32/int64 tensor (what ``nn.Embedding`` takes).
+        ValueError: not 2-D, empty, not ``shape``, or ids outside ``[0, vocab)``.
+    """
+    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be an integer (int32/int64) tensor of token ids, got {got}")
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise ValueError(f"{name} must be [B, L] with B, L >= 1, got {tuple(ids.shape)}")
+    if shape is not None and tuple(ids.shape) != shape:
+        raise ValueError(f"{name} must be [B, L] = {list(shape)}, got {list(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(
+            f"{name} holds ids in [{lo}, {hi}], outside the vocabulary [0, {field}={vocab})"
+        )
+    return ids
+
+
+def key_padding(is_pad: Tensor | None, ids: Tensor, name: str) -> Tensor | None:
+    """A ``[B, L]`` True = padding mask, checked against ``ids``; None when nothing is padding.
+
+    Returning None when no position is padding keeps the mask out of the attention entirely.
+
+    Args:
+        is_pad: bool ``[B, L]``, True = padding, or None.
+        ids: the ``[B, L]`` tokens it describes.
+        name: the argument's name, for the message.
+
+    Returns:
+        ``is_pad``, or None.
+
+    Raises:
+        TypeError: not bool.
+        ValueError: not the shape of ``ids``.
+    """
+    if is_pad is None:
+        return None
+    if not isinstance(is_pad, Tensor) or is_pad.dtype != torch.bool:
+        got = is_pad.dtype if isinstance(is_pad, Tensor) else type(is_pad).__name__
+        raise TypeError(f"{name} must be a bool tensor (True = padding), got {got}")
+    if is_pad.shape != ids.shape:
+        raise ValueError(
+            f"{name} must have the token shape {tuple(ids.shape)}, got {tuple(is_pad.shape)}"
+        )
+    return is_pad if bool(is_pad.any()) else None
+
+
+def padding_from_ids(
+    ids: Tensor, padding_mask: Tensor | None, pad_id: int | None, name: str
+) -> Tensor | None:
+    """The padding of ``ids``: the caller's mask (checked), else ``ids == pad_id``.
+
+    Args:
+        ids: ``[B, L]`` token ids (already checked).
+        padding_mask: bool ``[B, L]``, True = padding, or None.
+        pad_id: the padding token, or None (then no padding unless a mask is given).
+        name: the mask argument's name, for the message.
+
+    Returns:
+        bool ``[B, L]``, or None when nothing is padding.
+
+    Raises:
+        TypeError / ValueError: as :func:`key_padding`.
+    """
+    if padding_mask is None and pad_id is not None:
+        padding_mask = ids == pad_id  # [B, L]
+    return key_padding(padding_mask, ids, name)
+
+
+def resolve_kv_cache(kv_cache: KVCache | None, cache: KVCache | None) -> KVCache | None:
+    """``kv_cache``, or the deprecated ``cache=`` keyword (one release) with a warning.
+
+    Raises:
+        ValueError: both given.
+    """
+    if cache is None:
+        return kv_cache
+    warnings.warn(
+        "the cache= keyword is deprecated; pass kv_cache= instead", DeprecationWarning, stacklevel=3
+    )
+    if kv_cache is not None:
+        raise ValueError("pass kv_cache= only, not both kv_cache= and the deprecated cache=")
+    return cache
