@@ -10,8 +10,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from qkv.apps.cli import main
-from qkv.apps.plots import checkpoint_attention
-from qkv.apps.viz import plot_attention, save_figure
+from qkv.apps.viz import checkpoint_attention, plot_attention, save_figure
 
 TRAIN = [
     "train",

@@ -9,14 +9,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qkv.models.registry import model_from_config
 from qkv.train.checkpoint import Checkpoint, check_weights_match, load_checkpoint
-from qkv.train.config import model_from_config
-from qkv.train.tasks import BOS_ID, EOS_ID, PAD_ID, Seq2SeqTask, TextTask, task_from_spec
+from qkv.train.task import Task
+from qkv.train.tasks import task_from_spec
 
 __all__ = ["Generation", "generate_text", "load_trained"]
 
 
-def load_trained(path: str | Path) -> tuple[nn.Module, Seq2SeqTask | TextTask, Checkpoint]:
+def load_trained(path: str | Path) -> tuple[nn.Module, Task, Checkpoint]:
     """The model (in eval mode) and task of a checkpoint directory, weights verified.
 
     Raises:
@@ -49,7 +50,7 @@ class Generation:
 
 def generate_text(
     model: nn.Module,
-    task: Seq2SeqTask | TextTask,
+    task: Task,
     text: str,
     *,
     beam_size: int = 1,
@@ -59,10 +60,11 @@ def generate_text(
     greedy: bool = True,
     seed: int = 0,
 ) -> Generation:
-    """Decode ``text`` with the model's KV-cached ``generate``.
+    """Decode ``text`` with the model's KV-cached ``generate``, as the task decodes
+    (:meth:`qkv.train.task.Task.generate`), and time it.
 
     Args:
-        model: a ``Transformer`` (sequence tasks) or ``DecoderOnlyLM`` (text).
+        model: the task's model: a ``Transformer`` (sequence tasks) or ``DecoderOnlyLM`` (text).
         task: the checkpoint's task (its vocabulary encodes ``text``).
         text: the input (sequence tasks) or the prompt (text).
         beam_size: beam search width for sequence tasks (1: greedy).
@@ -72,6 +74,9 @@ def generate_text(
         top_k: sample among the k likeliest (text, when not ``greedy``).
         greedy: text models: argmax decoding instead of sampling.
         seed: the sampling generator's seed.
+
+    Returns:
+        The decoded :class:`Generation`.
 
     Raises:
         ValueError: an empty input, a character outside the vocabulary, ``beam_size < 1``, or
@@ -84,33 +89,16 @@ def generate_text(
         raise ValueError("the input text is empty")
     t0 = time.perf_counter()
     with torch.no_grad():
-        if isinstance(task, TextTask):
-            if beam_size != 1:
-                raise ValueError(
-                    f"beam_size={beam_size}: beam search is for sequence tasks; "
-                    "text models decode greedily or by sampling"
-                )
-            room = int(model.config.max_len) - len(ids)  # type: ignore[union-attr,arg-type]
-            n = max(1, min(task.block_size, room)) if max_new_tokens is None else max_new_tokens
-            gen = torch.Generator().manual_seed(seed)
-            out = model.generate(  # type: ignore[operator]
-                torch.tensor([ids]),
-                n,
-                temperature=temperature,
-                top_k=top_k,
-                greedy=greedy,
-                eos_id=EOS_ID,
-                generator=gen,
-            )
-            new = out[0, len(ids) :].tolist()  # [n]
-        else:
-            n = task.max_tgt_len + 1 if max_new_tokens is None else max_new_tokens
-            src = torch.tensor([ids])  # [1, S]
-            out = model.generate(  # type: ignore[operator]
-                src, n, src_padding_mask=src == PAD_ID, beam_size=beam_size
-            )  # [1, L]
-            new = [i for i in out[0].tolist() if i != PAD_ID]
-            new = new[1:] if new and new[0] == BOS_ID else new
+        new = task.generate(
+            model,
+            ids,
+            beam_size=beam_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            greedy=greedy,
+            seed=seed,
+        )
     seconds = time.perf_counter() - t0
     return Generation(
         text=task.vocab.decode(new),
