@@ -10,50 +10,32 @@ from __future__ import annotations
 __all__ = ["check_bool", "check_nonnegative_int", "check_positive_int", "check_probability"]
 
 
-def _check_int(name: str, value: object) -> int:
+def _check_int_at_least(name: str, value: object, low: int, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be a {what} int, got {value!r}")
     return value
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """``value`` as an int >= 1.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-
-    Returns:
-        ``value``.
+    """``value``, an int >= 1, named ``name`` in the error.
 
     Raises:
         TypeError: ``value`` is not an int (or is a bool).
         ValueError: ``value < 1``.
     """
-    n = _check_int(name, value)
-    if n < 1:
-        raise ValueError(f"{name} must be a positive int, got {n!r}")
-    return n
+    return _check_int_at_least(name, value, 1, "positive")
 
 
 def check_nonnegative_int(name: str, value: object) -> int:
-    """``value`` as an int >= 0.
-
-    Args:
-        name: the argument's name, for the message.
-        value: what the caller passed.
-
-    Returns:
-        ``value``.
+    """``value``, an int >= 0, named ``name`` in the error.
 
     Raises:
         TypeError: ``value`` is not an int (or is a bool).
         ValueError: ``value < 0``.
     """
-    n = _check_int(name, value)
-    if n < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    return n
+    return _check_int_at_least(name, value, 0, "non-negative")
 
 
 def check_bool(name: str, value: object) -> bool:

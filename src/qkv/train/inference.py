@@ -11,7 +11,7 @@ from torch import nn
 
 from qkv.models.registry import model_from_config
 from qkv.train.checkpoint import Checkpoint, check_weights_match, load_checkpoint
-from qkv.train.task import Task
+from qkv.train.task import DecodeOptions, Task
 from qkv.train.tasks import task_from_spec
 
 __all__ = ["Generation", "generate_text", "load_trained"]
@@ -81,24 +81,15 @@ def generate_text(
     Raises:
         ValueError: an empty input, a character outside the vocabulary, ``beam_size < 1``, or
             beam search asked of a text model.
+        TypeError: a ``beam_size`` that is not an int.
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    options = DecodeOptions(beam_size, max_new_tokens, temperature, top_k, greedy, seed)
     ids = task.vocab.encode(text)
     if not ids:
         raise ValueError("the input text is empty")
     t0 = time.perf_counter()
     with torch.no_grad():
-        new = task.generate(
-            model,
-            ids,
-            beam_size=beam_size,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            greedy=greedy,
-            seed=seed,
-        )
+        new = task.generate(model, ids, options)
     seconds = time.perf_counter() - t0
     return Generation(
         text=task.vocab.decode(new),

@@ -20,6 +20,7 @@ from qkv.train.task import (
     EOS_ID,
     PAD_ID,
     SPECIALS,
+    DecodeOptions,
     EvalSums,
     Vocab,
     is_held_out,
@@ -183,24 +184,13 @@ class Seq2SeqTask:
         return EvalSums(correct=correct, count=len(sources), loss=float(total), tokens=tokens)
 
     @torch.no_grad()
-    def generate(
-        self,
-        model: nn.Module,
-        ids: list[int],
-        *,
-        beam_size: int = 1,
-        max_new_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        greedy: bool = True,
-        seed: int = 0,
-    ) -> list[int]:
+    def generate(self, model: nn.Module, ids: list[int], options: DecodeOptions) -> list[int]:
         """Greedy or beam-search decoding of the source ``ids`` (default length: the longest
-        target + ``<eos>``); ``temperature``, ``top_k``, ``greedy`` and ``seed`` are unused."""
-        n = self.max_tgt_len + 1 if max_new_tokens is None else max_new_tokens
+        target + ``<eos>``); the sampling options do not apply."""
+        n = self.max_tgt_len + 1 if options.max_new_tokens is None else options.max_new_tokens
         src = torch.tensor([ids])  # [1, S]
         out = model.generate(  # type: ignore[operator]
-            src, n, src_padding_mask=src == PAD_ID, beam_size=beam_size
+            src, n, src_padding_mask=src == PAD_ID, beam_size=options.beam_size
         )  # [1, L]
         new = [i for i in out[0].tolist() if i != PAD_ID]
         return new[1:] if new and new[0] == BOS_ID else new

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.checks import check_positive_int
 from qkv.train.config import TrainConfig
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "PAD_ID",
     "SPECIALS",
     "Batch",
+    "DecodeOptions",
     "EvalSums",
     "Task",
     "Vocab",
@@ -136,6 +138,33 @@ class EvalSums:
     tokens: int
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How :meth:`Task.generate` decodes (each task uses the options that apply to it).
+
+    Attributes:
+        beam_size: beam search width for sequence tasks (1: greedy).
+        max_new_tokens: tokens to generate at most (None: the task's default length).
+        temperature: sampling temperature (text, when not ``greedy``).
+        top_k: sample among the k likeliest (text, when not ``greedy``).
+        greedy: text models: argmax decoding instead of sampling.
+        seed: the sampling generator's seed.
+
+    Raises:
+        ValueError / TypeError: ``beam_size`` not a positive int.
+    """
+
+    beam_size: int = 1
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int | None = None
+    greedy: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("beam_size", self.beam_size)
+
+
 class Task(Protocol):
     """What the training loop, :func:`~qkv.train.inference.generate_text` and the plots need.
 
@@ -169,18 +198,7 @@ class Task(Protocol):
         """Evaluate process ``rank``'s share of ``n`` held-out examples (model in eval mode)."""
         ...
 
-    def generate(
-        self,
-        model: nn.Module,
-        ids: list[int],
-        *,
-        beam_size: int,
-        max_new_tokens: int | None,
-        temperature: float,
-        top_k: int | None,
-        greedy: bool,
-        seed: int,
-    ) -> list[int]:
+    def generate(self, model: nn.Module, ids: list[int], options: DecodeOptions) -> list[int]:
         """Decode the input ``ids``; the new ids only (no ``<bos>``, no prompt, no padding)."""
         ...
 

@@ -16,6 +16,7 @@ from qkv.train.task import (
     EOS_ID,
     PAD_ID,
     SPECIALS,
+    DecodeOptions,
     EvalSums,
     Vocab,
     loss_sum,
@@ -154,39 +155,29 @@ class TextTask:
         return EvalSums(correct=correct, count=tokens, loss=float(total), tokens=tokens)
 
     @torch.no_grad()
-    def generate(
-        self,
-        model: nn.Module,
-        ids: list[int],
-        *,
-        beam_size: int = 1,
-        max_new_tokens: int | None = None,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        greedy: bool = True,
-        seed: int = 0,
-    ) -> list[int]:
+    def generate(self, model: nn.Module, ids: list[int], options: DecodeOptions) -> list[int]:
         """Continue the prompt ``ids`` greedily or by sampling; by default with what fits in the
         model's ``max_len`` after the prompt (at most the block size, at least one token).
 
         Raises:
             ValueError: ``beam_size != 1`` (beam search is for sequence tasks).
         """
-        if beam_size != 1:
+        if options.beam_size != 1:
             raise ValueError(
-                f"beam_size={beam_size}: beam search is for sequence tasks; "
+                f"beam_size={options.beam_size}: beam search is for sequence tasks; "
                 "text models decode greedily or by sampling"
             )
         room = int(model.config.max_len) - len(ids)  # type: ignore[union-attr,arg-type]
-        n = max(1, min(self.block_size, room)) if max_new_tokens is None else max_new_tokens
+        n = options.max_new_tokens
+        n = max(1, min(self.block_size, room)) if n is None else n
         out = model.generate(  # type: ignore[operator]
             torch.tensor([ids]),  # [1, P]
             n,
-            temperature=temperature,
-            top_k=top_k,
-            greedy=greedy,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            greedy=options.greedy,
             eos_id=EOS_ID,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(options.seed),
         )  # [1, P + n']
         return list(out[0, len(ids) :].tolist())
 
