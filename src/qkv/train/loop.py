@@ -35,7 +35,7 @@ from qkv.train.distributed import (
     shutdown,
     wrap_model,
 )
-from qkv.train.task import PAD_ID, Task, loss_sum
+from qkv.train.task import PAD_ID, Batch, Task, loss_sum
 from qkv.train.tasks import build_task
 
 # loss_sum lives with the Batch protocol it reads; it is re-exported here, where it is used.
@@ -161,6 +161,57 @@ def train(
         shutdown(ctx)
 
 
+def _start_step(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    out: Path | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> int:
+    """0 for a fresh run; for ``resume``, the checkpoint's step after loading its weights,
+    optimizer and RNG state into ``model``/``optimizer``."""
+    if opts.resume:
+        assert out is not None  # train() refuses resume without out
+        ckpt = load_checkpoint(out)
+        _check_resumable(cfg, ckpt.train_config, out)
+        check_weights_match(model, ckpt.weights, str(out))
+        model.load_state_dict(ckpt.weights)
+        restore_optimizer(optimizer, ckpt)
+        if ckpt.rng_state is not None:
+            torch.set_rng_state(ckpt.rng_state)
+        return ckpt.step
+    if out is not None and (out / "config.json").exists() and not opts.overwrite:
+        raise ValueError(
+            f"{out} already holds a checkpoint; pass --resume to continue it or "
+            f"--overwrite to start over"
+        )
+    return 0
+
+
+def _update(
+    net: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    global_batch: Batch,
+    lr: float,
+    cfg: TrainConfig,
+    ctx: DistContext,
+) -> float:
+    """One optimizer step on this process's shard of ``global_batch``; the global mean loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    local = global_batch.shard(ctx.rank, ctx.world_size)
+    n_global = int((global_batch.targets != PAD_ID).sum())
+    total, _ = loss_sum(net, local, cfg.label_smoothing)
+    loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return float(all_reduce_sum(total.detach(), ctx)) / n_global
+
+
 def _train(
     cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContext, task: Task
 ) -> TrainResult:
@@ -173,23 +224,7 @@ def _train(
     model_config = task.model_config(cfg)
     model = model_from_config(task.model_type, model_config)
     optimizer = build_optimizer(model, cfg)
-    start = 0
-    has_ckpt = out is not None and (out / "config.json").exists()
-    if opts.resume:
-        assert out is not None
-        ckpt = load_checkpoint(out)
-        _check_resumable(cfg, ckpt.train_config, out)
-        check_weights_match(model, ckpt.weights, str(out))
-        model.load_state_dict(ckpt.weights)
-        restore_optimizer(optimizer, ckpt)
-        if ckpt.rng_state is not None:
-            torch.set_rng_state(ckpt.rng_state)
-        start = ckpt.step
-    elif has_ckpt and not opts.overwrite:
-        raise ValueError(
-            f"{out} already holds a checkpoint; pass --resume to continue it or "
-            f"--overwrite to start over"
-        )
+    start = _start_step(cfg, opts, out, model, optimizer)
     net = wrap_model(model, ctx)
     net.train()
     end = cfg.steps if opts.stop_after is None else min(cfg.steps, opts.stop_after)
@@ -222,20 +257,9 @@ def _train(
     for step in range(start, end):
         ts = time.perf_counter()
         lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         global_batch = task.train_batch(cfg.seed, step, cfg.batch_size)
-        local = global_batch.shard(ctx.rank, ctx.world_size)
-        n_global = int((global_batch.targets != PAD_ID).sum())
-        total, _ = loss_sum(net, local, cfg.label_smoothing)
-        loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        mean_loss = _update(net, model, optimizer, global_batch, lr, cfg, ctx)
         result.step = step + 1
-        mean_loss = float(all_reduce_sum(total.detach(), ctx)) / n_global
         result.losses.append(mean_loss)
         train_time += time.perf_counter() - ts
         tokens += global_batch.num_tokens
