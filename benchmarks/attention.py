@@ -1,11 +1,12 @@
 """Attention benchmark table: qkv backends vs torch SDPA. See :mod:`qkv.apps.bench`.
 
 Usage: ``python benchmarks/attention.py [--quick] [--repeats N] [--device cuda] [--threads N]``
+(the options of ``qkv bench``, which this script runs).
 """
 
 import sys
 
-from qkv.apps.bench import main
+from qkv.apps.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -62,7 +62,7 @@ def training_ratio(repeats: int, B: int, L: int, V: int) -> tuple[float, float]:
     body = nn.Transformer(256, 4, 3, 3, 1024, dropout=0.1, batch_first=True)
     cfg = qkv.TransformerConfig(
         src_vocab_size=V, tgt_vocab_size=V, d_model=256, num_heads=4, num_encoder_layers=3,
-        num_decoder_layers=3, dim_feedforward=1024, dropout=0.1, max_len=L + 1,
+        num_decoder_layers=3, dim_feedforward=1024, dropout=0.1, max_positions=L + 1,
     )  # fmt: skip
     ours = qkv.Transformer(cfg).train()
     converted = from_torch_transformer(body)
@@ -100,7 +100,7 @@ def decoding(n: int, B: int, S: int, V: int, repeats: int) -> dict[str, list[flo
     torch.manual_seed(0)
     cfg = qkv.TransformerConfig(
         src_vocab_size=V, tgt_vocab_size=V, d_model=256, num_heads=4, num_encoder_layers=3,
-        num_decoder_layers=3, dim_feedforward=1024, dropout=0.0, max_len=n + 1,
+        num_decoder_layers=3, dim_feedforward=1024, dropout=0.0, max_positions=n + 1,
     )  # fmt: skip
     model = qkv.Transformer(cfg).eval()
     src = torch.randint(3, V, (B, S))
@@ -116,7 +116,7 @@ def decoding(n: int, B: int, S: int, V: int, repeats: int) -> dict[str, list[flo
             for _ in range(n):
                 t0 = time.perf_counter()
                 step_in = out[:, -1:] if cache is not None else out
-                logits = model.decode(step_in, memory, no_pad, cache=cache)[:, -1]  # [B, V]
+                logits = model.decode(step_in, memory, no_pad, kv_cache=cache)[:, -1]  # [B, V]
                 # keep special tokens out so both runs decode all n tokens
                 nxt = logits[:, 3:].argmax(-1) + 3  # [B]
                 out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import qkv
 from qkv.apps.cli import main
 from qkv.apps.demo import run_demo
 from qkv.apps.shapes import trace_attention_shapes
@@ -80,3 +83,24 @@ def test_installed_script() -> None:
     proc = subprocess.run([exe, *SHAPES_ARGS], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert _parse_shapes(proc.stdout) == EXPECTED_SHAPES
+
+
+def test_every_parser_is_defined_in_cli() -> None:
+    package = Path(qkv.__file__).parent
+    defining = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if re.search(r"ArgumentParser|add_argument\(|add_subparsers", path.read_text("utf-8"))
+    )
+    assert defining == ["apps/cli.py"]
+
+
+def test_the_benchmark_script_runs_qkv_bench(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = Path(__file__).parents[2] / "benchmarks" / "attention.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert "usage: qkv bench" in capsys.readouterr().out

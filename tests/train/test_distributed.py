@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from qkv.train.config import TrainConfig, build_task
+from qkv.train.config import TrainConfig
 from qkv.train.loop import RunOptions, train
+from qkv.train.tasks import build_task
 
 WORKER = """
 import json, os, sys
 from safetensors.torch import save_file
-from qkv.train.config import TrainConfig, build_task
+from qkv.train.config import TrainConfig
+from qkv.train.tasks import build_task
 from qkv.train.loop import RunOptions, train
 
 cfg = TrainConfig(**json.loads(sys.argv[1]))

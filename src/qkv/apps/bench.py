@@ -11,12 +11,12 @@ output, measured in the same run. Peak memory is measured as the process's peak 
 (``VmHWM`` reset through ``/proc/self/clear_refs``) above what it held before the call, or
 ``torch.cuda.max_memory_allocated`` on a GPU.
 
-Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes).
+Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes); both parse
+their options in :mod:`qkv.apps.cli`, this module has no argparse.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +30,7 @@ from qkv.backends.blockwise import default_blocks, plan_tiles
 from qkv.functional import attention
 from qkv.masks import Causal, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
 
-__all__ = ["Row", "main", "run_benchmarks"]
+__all__ = ["Row", "format_table", "matmul_gflops", "peak_memory_mb", "run_benchmarks"]
 
 H, DH = 8, 64
 
@@ -258,7 +258,7 @@ def run_benchmarks(
 
 
 def format_table(rows: Sequence[Row], mm: float, mem: Sequence[str]) -> str:
-    """The markdown table printed by :func:`main`."""
+    """The markdown table that ``qkv bench`` prints."""
     lines = [
         f"float32 matmul [{H}, 1024, {DH}] @ [{H}, {DH}, 1024]: {mm:.1f} GFLOP/s",
         "",
@@ -277,28 +277,3 @@ def format_table(rows: Sequence[Row], mm: float, mem: Sequence[str]) -> str:
             f"{r.gflops:.1f} | {pct} | {met} |"
         )
     return "\n".join([*lines, "", *mem])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse arguments, run, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_from_args(args)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by the script and ``qkv bench``)."""
-    parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per entry")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run with parsed options and print the table."""
-    rows, mm, mem = run_benchmarks(
-        quick=args.quick, repeats=args.repeats, device=args.device, threads=args.threads
-    )
-    print(format_table(rows, mm, mem))
-    return 0

@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from qkv.checks import check_positive_int
 from qkv.convert.hf_bert import check_checkpoint_dir, load_bert
 from qkv.models.bert import BertConfig
 
@@ -159,14 +160,12 @@ class SentenceEmbedder:
     def __init__(
         self, model_dir: str | Path | None = None, *, backend: str = "auto", batch_size: int = 32
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.batch_size = check_positive_int("batch_size", batch_size)
         self.model_dir = check_checkpoint_dir(
             default_model_dir() if model_dir is None else model_dir
         )
         self.model = load_bert(self.model_dir, backend=backend)
         self.tokenizer = load_tokenizer(self.model_dir, self.model.config)
-        self.batch_size = batch_size
 
     @property
     def dim(self) -> int:

@@ -19,6 +19,9 @@ from torch.overrides import TorchFunctionMode
 
 from qkv.functional import scaled_dot_product_attention
 from qkv.masks import causal_mask, combine, padding_mask
+from qkv.models.config import TransformerConfig
+from qkv.models.transformer import Transformer
+from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["trace_attention_shapes", "trace_model_shapes"]
 
@@ -135,9 +138,6 @@ def trace_model_shapes(
     Raises:
         ValueError: a non-positive size.
     """
-    from qkv.models import Transformer, TransformerConfig
-    from qkv.nn.multihead import MultiHeadAttention
-
     _check_sizes(B=B, S=S, T=T, H=H, Dh=Dh, num_layers=num_layers)
     cfg = TransformerConfig(
         src_vocab_size=20,

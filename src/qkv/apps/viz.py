@@ -1,4 +1,5 @@
-"""Attention heatmaps and the sinusoidal positional encoding, with matplotlib's Agg canvas.
+"""Attention heatmaps and the sinusoidal positional encoding, with matplotlib's Agg canvas, and
+what ``qkv plot`` runs on a checkpoint (decode an input, then draw its attention).
 
 Figures are built as ``matplotlib.figure.Figure`` on a ``FigureCanvasAgg``, never through
 ``pyplot``: no global backend switch, no display needed, nothing left open.
@@ -11,6 +12,7 @@ with the tokens on the axes: rows of each heatmap are queries, columns keys.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +23,18 @@ from torch import Tensor, nn
 
 from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.positional import sinusoidal_table
+from qkv.train.inference import generate_text, load_trained
 
 __all__ = [
     "KINDS",
     "AttentionMaps",
     "attention_maps",
+    "checkpoint_attention",
     "plot_attention",
+    "plot_checkpoint",
+    "plot_checkpoint_positional",
     "plot_positional",
+    "run_plot",
     "save_figure",
     "sinusoidal_table",
 ]
@@ -184,3 +191,86 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=fig.dpi)
     return path
+
+
+def checkpoint_attention(checkpoint: str | Path, text: str) -> tuple[AttentionMaps, str]:
+    """Greedy-decode ``text`` with the checkpoint, then record the attention of the forward pass
+    that reproduces the decoded output (teacher-forced on it).
+
+    Returns:
+        The maps and the decoded output.
+
+    Raises:
+        ValueError / CheckpointError: as :func:`qkv.train.inference.generate_text` and
+            :func:`qkv.train.inference.load_trained`.
+    """
+    model, task, _ = load_trained(checkpoint)
+    gen = generate_text(model, task, text)
+    src, tgt = task.teacher_forced_ids(text, gen.ids)
+    tokens = {"tgt": [task.vocab.token(i) for i in tgt]}
+    if src is not None:
+        tokens["src"] = [task.vocab.token(i) for i in src]
+    src_ids = None if src is None else torch.tensor([src])  # [1, S]
+    maps = attention_maps(model, src_ids, torch.tensor([tgt]), tokens)  # tgt: [1, T]
+    return maps, gen.text
+
+
+def plot_checkpoint(
+    checkpoint: str | Path, text: str, out: str | Path, kinds: tuple[str, ...] | None = None
+) -> tuple[Path, str, tuple[int, int]]:
+    """Write the attention grid (rows: kind x layer, columns: heads) of ``text`` to ``out``.
+
+    Returns:
+        The PNG path, the decoded output, and the grid's (rows, columns).
+    """
+    maps, output = checkpoint_attention(checkpoint, text)
+    fig = plot_attention(maps, kinds, title=f"{text!r} -> {output!r}")
+    shown = tuple(maps.weights) if kinds is None else kinds
+    rows = sum(len(maps.weights[k]) for k in shown)
+    cols = max(w.shape[0] for k in shown for w in maps.weights[k])
+    return save_figure(fig, out), output, (rows, cols)
+
+
+def plot_checkpoint_positional(
+    checkpoint: str | Path, out: str | Path, length: int | None = None
+) -> Path:
+    """Write the sinusoidal positional-encoding table of the checkpoint's width to ``out``.
+
+    Args:
+        checkpoint: the checkpoint directory.
+        out: the PNG path.
+        length: positions to draw (default: the model's ``max_positions``).
+
+    Raises:
+        ValueError: the checkpoint's model does not use sinusoidal positions.
+    """
+    _, _, ckpt = load_trained(checkpoint)
+    cfg = ckpt.model_config
+    if cfg.get("positional") != "sinusoidal":
+        raise ValueError(
+            f"--positional plots the sinusoidal encoding; this model uses "
+            f"positional={cfg.get('positional')!r}"
+        )
+    positions = cfg["max_positions"] if "max_positions" in cfg else cfg["max_len"]  # 0.1: max_len
+    table = sinusoidal_table(length or int(positions), int(cfg["d_model"]))  # [L, D]
+    return save_figure(plot_positional(table), out)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """``qkv plot`` (arguments parsed by :mod:`qkv.apps.cli`): write the PNG, say where it is.
+
+    Raises:
+        ValueError: no ``input`` without ``--positional``; see :func:`plot_checkpoint`.
+    """
+    torch.set_num_threads(args.threads)
+    if args.positional:
+        path = plot_checkpoint_positional(args.checkpoint, args.output, args.length)
+        print(f"positional encoding written to {path}")
+        return 0
+    if args.input is None:
+        raise ValueError("qkv plot needs an INPUT to decode (or --positional)")
+    kinds = None if args.kind is None else tuple(args.kind)
+    path, output, (rows, cols) = plot_checkpoint(args.checkpoint, args.input, args.output, kinds)
+    print(f"{args.input!r} -> {output!r}")
+    print(f"attention grid ({rows} rows: kind x layer, {cols} columns: heads) written to {path}")
+    return 0

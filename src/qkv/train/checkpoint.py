@@ -35,6 +35,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from qkv.models.registry import check_weights
+
 __all__ = [
     "FORMAT",
     "Checkpoint",
@@ -296,33 +298,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def check_weights_match(model: nn.Module, weights: dict[str, Tensor], where: str) -> None:
     """Load-time check that ``weights`` fit ``model`` exactly, before copying anything.
 
+    The check itself is :func:`qkv.models.registry.check_weights`; here its error becomes a
+    :class:`CheckpointError`.
+
     Raises:
         CheckpointError: names every missing, unexpected or differently shaped/typed key, with
             both shapes.
     """
-    expected = model.state_dict()
-    problems = []
-    for k in sorted(set(expected) | set(weights)):
-        if k not in weights:
-            problems.append(
-                f"{k!r} is missing from the weights (model expects shape "
-                f"{tuple(expected[k].shape)})"
-            )
-        elif k not in expected:
-            problems.append(
-                f"{k!r} (shape {tuple(weights[k].shape)}) in the weights is not in the model"
-            )
-        elif weights[k].shape != expected[k].shape or weights[k].dtype != expected[k].dtype:
-            problems.append(
-                f"{k!r} has shape {tuple(weights[k].shape)} {weights[k].dtype} in the weights "
-                f"but {tuple(expected[k].shape)} {expected[k].dtype} in the model built from "
-                f"the config"
-            )
-    if problems:
-        shown = "; ".join(problems[:5]) + (
-            f"; ... {len(problems) - 5} more" if len(problems) > 5 else ""
-        )
-        raise CheckpointError(f"config/weights mismatch in {where}: {shown}")
+    try:
+        check_weights(model, weights, where)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> None:

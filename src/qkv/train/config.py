@@ -1,29 +1,51 @@
 """What a training run is: :class:`TrainConfig` (everything that decides the resulting weights),
-the learning-rate schedule, and how the task's model and optimizer are built from it."""
+the learning-rate schedule and the optimizer. Training only: the model's config comes from the
+task (:meth:`qkv.train.task.Task.model_config`) and the model from
+:func:`qkv.models.registry.model_from_config`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
-from qkv.train.tasks import BOS_ID, EOS_ID, PAD_ID, Seq2SeqTask, TextTask, make_task
+from qkv.checks import check_nonnegative_int, check_positive_int, check_probability
 
 __all__ = [
+    "POSITIONALS",
     "SCHEDULES",
+    "TASKS",
+    "Positional",
+    "Schedule",
+    "TaskName",
     "TrainConfig",
-    "build_model",
     "build_optimizer",
-    "build_task",
     "lr_at",
-    "model_from_config",
-    "model_type_of",
 ]
 
-SCHEDULES = ("cosine", "inverse_sqrt", "constant")
+TaskName = Literal["copy", "reverse", "sort", "add", "text"]
+Schedule = Literal["cosine", "inverse_sqrt", "constant"]
+# The model's positional encodings (qkv.models.config.POSITIONALS; a test keeps the two equal).
+Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "none"]
+TASKS: tuple[str, ...] = get_args(TaskName)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+POSITIONALS: tuple[str, ...] = get_args(Positional)
+
+_POSITIVE = (
+    "d_model",
+    "num_heads",
+    "num_layers",
+    "dim_feedforward",
+    "steps",
+    "batch_size",
+    "eval_every",
+    "eval_size",
+)
+_FRACTIONS = ("dropout", "label_smoothing", "beta1", "beta2")  # in [0, 1)
+_CHOICES = (("task", TASKS), ("schedule", SCHEDULES), ("positional", POSITIONALS))
 
 
 @dataclass(frozen=True)
@@ -60,10 +82,11 @@ class TrainConfig:
         seed: seeds the weights, the data and dropout.
 
     Raises:
-        ValueError: a field out of range, naming it and the value.
+        ValueError: a field out of range or not one of its choices, naming it and the value.
+        TypeError: a count that is not an int (or a rate that is not a number), named.
     """
 
-    task: str = "reverse"
+    task: TaskName = "reverse"
     text_path: str | None = None
     min_len: int = 1
     max_len: int = 12
@@ -74,12 +97,12 @@ class TrainConfig:
     num_layers: int = 2
     dim_feedforward: int = 256
     dropout: float = 0.0
-    positional: str = "sinusoidal"
+    positional: Positional = "sinusoidal"
     steps: int = 1500
     batch_size: int = 64
     lr: float = 2e-3
     warmup_steps: int = 100
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -91,28 +114,21 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = (
-            "d_model",
-            "num_heads",
-            "num_layers",
-            "dim_feedforward",
-            "steps",
-            "batch_size",
-            "eval_every",
-            "eval_size",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError(
-                f"need lr > 0 and warmup_steps >= 0, got {self.lr}, {self.warmup_steps}"
-            )
-        for name in ("dropout", "label_smoothing", "min_lr_ratio", "beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0 + (name == "min_lr_ratio"):
-                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+        for name, choices in _CHOICES:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name in _POSITIVE:
+            check_positive_int(name, getattr(self, name))
+        check_nonnegative_int("warmup_steps", self.warmup_steps)
+        for name in _FRACTIONS:
+            check_probability(name, getattr(self, name), inclusive_one=False)
+        check_probability("min_lr_ratio", self.min_lr_ratio)
+        for name in ("lr", "grad_clip", "weight_decay"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a float, got {value!r} ({type(value).__name__})")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError(
                 f"grad_clip and weight_decay must be >= 0, got {self.grad_clip}, "
@@ -148,82 +164,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
-
-
-def build_task(cfg: TrainConfig) -> Seq2SeqTask | TextTask:
-    """The task of ``cfg``."""
-    return make_task(
-        cfg.task,
-        text_path=cfg.text_path,
-        min_len=cfg.min_len,
-        max_len=cfg.max_len,
-        max_digits=cfg.max_digits,
-        block_size=cfg.block_size,
-    )
-
-
-def model_type_of(task: Seq2SeqTask | TextTask) -> str:
-    """``"transformer"`` for sequence-to-sequence tasks, ``"decoder_only"`` for text."""
-    return "decoder_only" if isinstance(task, TextTask) else "transformer"
-
-
-def build_model(cfg: TrainConfig, task: Seq2SeqTask | TextTask) -> tuple[nn.Module, dict[str, Any]]:
-    """A freshly initialised model for ``task`` (seed the RNG first) and its config dict."""
-    from qkv.models.config import DecoderOnlyConfig, TransformerConfig
-    from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.transformer import Transformer
-
-    V = task.vocab.size
-    common: dict[str, Any] = {
-        "d_model": cfg.d_model,
-        "num_heads": cfg.num_heads,
-        "dim_feedforward": cfg.dim_feedforward,
-        "dropout": cfg.dropout,
-        "norm_first": True,  # pre-norm: stable for small models without a careful warmup
-        "positional": cfg.positional,
-    }
-    model: nn.Module
-    if isinstance(task, TextTask):
-        dcfg = DecoderOnlyConfig(
-            vocab_size=V,
-            num_layers=cfg.num_layers,
-            max_positions=cfg.block_size + 1,
-            pad_id=PAD_ID,
-            eos_id=EOS_ID,
-            **common,
-        )
-        model = DecoderOnlyLM(dcfg)
-        return model, dcfg.to_dict()
-    tcfg = TransformerConfig(
-        src_vocab_size=V,
-        tgt_vocab_size=V,
-        num_encoder_layers=cfg.num_layers,
-        num_decoder_layers=cfg.num_layers,
-        max_positions=max(task.max_src_len, task.max_tgt_len) + 2,
-        pad_id=PAD_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        **common,
-    )
-    model = Transformer(tcfg)
-    return model, tcfg.to_dict()
-
-
-def model_from_config(model_type: str, config: dict[str, Any]) -> nn.Module:
-    """Rebuild an (untrained) model from a checkpoint's type and config dict.
-
-    Raises:
-        ValueError: an unknown model type or config key.
-    """
-    from qkv.models.config import DecoderOnlyConfig, TransformerConfig
-    from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.transformer import Transformer
-
-    if model_type == "transformer":
-        return Transformer(TransformerConfig.from_dict(config))
-    if model_type == "decoder_only":
-        return DecoderOnlyLM(DecoderOnlyConfig.from_dict(config))
-    raise ValueError(f"unknown model_type {model_type!r}; expected 'transformer' or 'decoder_only'")
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

@@ -11,12 +11,13 @@ from torch import nn
 
 from qkv.models.registry import load_weights, model_from_config
 from qkv.train.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from qkv.train.tasks import BOS_ID, EOS_ID, PAD_ID, Seq2SeqTask, TextTask, task_from_spec
+from qkv.train.task import DecodeOptions, Task
+from qkv.train.tasks import task_from_spec
 
 __all__ = ["Generation", "generate_text", "load_trained"]
 
 
-def load_trained(path: str | Path) -> tuple[nn.Module, Seq2SeqTask | TextTask, Checkpoint]:
+def load_trained(path: str | Path) -> tuple[nn.Module, Task, Checkpoint]:
     """The model (in eval mode) and task of a checkpoint directory, weights verified.
 
     Raises:
@@ -51,7 +52,7 @@ class Generation:
 
 def generate_text(
     model: nn.Module,
-    task: Seq2SeqTask | TextTask,
+    task: Task,
     text: str,
     *,
     beam_size: int = 1,
@@ -61,58 +62,36 @@ def generate_text(
     greedy: bool = True,
     seed: int = 0,
 ) -> Generation:
-    """Decode ``text`` with the model's KV-cached ``generate``.
+    """Decode ``text`` with the model's KV-cached ``generate``, as the task decodes
+    (:meth:`qkv.train.task.Task.generate`), and time it.
 
     Args:
-        model: a ``Transformer`` (sequence tasks) or ``DecoderOnlyLM`` (text).
+        model: the task's model: a ``Transformer`` (sequence tasks) or ``DecoderOnlyLM`` (text).
         task: the checkpoint's task (its vocabulary encodes ``text``).
         text: the input (sequence tasks) or the prompt (text).
         beam_size: beam search width for sequence tasks (1: greedy).
         max_new_tokens: default: the task's longest target + 1, or for text what fits in the
-            model's ``max_len`` after the prompt (at most the block size).
+            model's ``max_positions`` after the prompt (at most the block size).
         temperature: sampling temperature (text, when not ``greedy``).
         top_k: sample among the k likeliest (text, when not ``greedy``).
         greedy: text models: argmax decoding instead of sampling.
         seed: the sampling generator's seed.
 
+    Returns:
+        The decoded :class:`Generation`.
+
     Raises:
         ValueError: an empty input, a character outside the vocabulary, ``beam_size < 1``, or
             beam search asked of a text model.
+        TypeError: a ``beam_size`` that is not an int.
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    options = DecodeOptions(beam_size, max_new_tokens, temperature, top_k, greedy, seed)
     ids = task.vocab.encode(text)
     if not ids:
         raise ValueError("the input text is empty")
     t0 = time.perf_counter()
     with torch.no_grad():
-        if isinstance(task, TextTask):
-            if beam_size != 1:
-                raise ValueError(
-                    f"beam_size={beam_size}: beam search is for sequence tasks; "
-                    "text models decode greedily or by sampling"
-                )
-            room = int(model.config.max_len) - len(ids)  # type: ignore[union-attr,arg-type]
-            n = max(1, min(task.block_size, room)) if max_new_tokens is None else max_new_tokens
-            gen = torch.Generator().manual_seed(seed)
-            out = model.generate(  # type: ignore[operator]
-                torch.tensor([ids]),
-                n,
-                temperature=temperature,
-                top_k=top_k,
-                greedy=greedy,
-                eos_id=EOS_ID,
-                generator=gen,
-            )
-            new = out[0, len(ids) :].tolist()  # [n]
-        else:
-            n = task.max_tgt_len + 1 if max_new_tokens is None else max_new_tokens
-            src = torch.tensor([ids])  # [1, S]
-            out = model.generate(  # type: ignore[operator]
-                src, n, src_padding_mask=src == PAD_ID, beam_size=beam_size
-            )  # [1, L]
-            new = [i for i in out[0].tolist() if i != PAD_ID]
-            new = new[1:] if new and new[0] == BOS_ID else new
+        new = task.generate(model, ids, options)
     seconds = time.perf_counter() - t0
     return Generation(
         text=task.vocab.decode(new),

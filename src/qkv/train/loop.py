@@ -15,25 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from tqdm import tqdm
 
+from qkv.models.registry import load_weights, model_from_config
 from qkv.train.checkpoint import (
     CheckpointError,
-    check_weights_match,
     load_checkpoint,
     restore_optimizer,
     save_checkpoint,
 )
-from qkv.train.config import (
-    TrainConfig,
-    build_model,
-    build_optimizer,
-    build_task,
-    lr_at,
-    model_type_of,
-)
+from qkv.train.config import TrainConfig, build_optimizer, lr_at
 from qkv.train.distributed import (
     DistContext,
     all_reduce_sum,
@@ -42,8 +34,10 @@ from qkv.train.distributed import (
     shutdown,
     wrap_model,
 )
-from qkv.train.tasks import PAD_ID, LMBatch, Seq2SeqBatch, Seq2SeqTask, TextTask
+from qkv.train.task import PAD_ID, Batch, Task, loss_sum
+from qkv.train.tasks import build_task
 
+# loss_sum lives with the Batch protocol it reads; it is re-exported here, where it is used.
 __all__ = ["RunOptions", "TrainResult", "evaluate", "loss_sum", "train"]
 
 
@@ -97,76 +91,25 @@ class TrainResult:
     checkpoint: Path | None = None
 
 
-def loss_sum(
-    model: nn.Module, batch: Seq2SeqBatch | LMBatch, label_smoothing: float = 0.0
-) -> tuple[Tensor, int]:
-    """Summed cross-entropy over the non-padding targets of ``batch`` and their count."""
-    if isinstance(batch, Seq2SeqBatch):
-        logits = model(
-            batch.src,
-            batch.tgt_in,
-            src_padding_mask=batch.src == PAD_ID,
-            tgt_padding_mask=batch.tgt_in == PAD_ID,
-        )  # [B, T, V]
-        targets = batch.tgt_out  # [B, T]
-    else:
-        logits = model(batch.inputs, padding_mask=batch.inputs == PAD_ID)  # [B, T, V]
-        targets = batch.targets  # [B, T]
-    V = logits.shape[-1]
-    total = F.cross_entropy(
-        logits.reshape(-1, V),  # [B * T, V]
-        targets.reshape(-1),  # [B * T]
-        ignore_index=PAD_ID,
-        reduction="sum",
-        label_smoothing=label_smoothing,
-    )
-    return total, int((targets != PAD_ID).sum())
-
-
-@torch.no_grad()
-def _eval_seq2seq(model: nn.Module, task: Seq2SeqTask, sources: list[str]) -> tuple[int, int]:
-    correct = 0
-    for i in range(0, len(sources), 250):
-        chunk = sources[i : i + 250]
-        batch = task.collate(chunk)
-        out = model.generate(  # type: ignore[operator]
-            batch.src, task.max_tgt_len + 1, src_padding_mask=batch.src == PAD_ID
-        )  # [B, L], starts with <bos>
-        for row, src in zip(out.tolist(), chunk, strict=True):
-            correct += task.vocab.decode(row[1:]) == task.target(src)
-    return correct, len(sources)
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    task: Seq2SeqTask | TextTask,
+    task: Task,
     cfg: TrainConfig,
     ctx: DistContext | None = None,
 ) -> tuple[float, float]:
-    """Held-out ``(accuracy, loss)``, each process evaluating its share.
+    """Held-out ``(accuracy, loss)`` by the task's own metric, each process evaluating its share
+    (:meth:`~qkv.train.task.Task.held_out_sums`) and the sums added over processes.
 
-    Sequence tasks: exact-sequence accuracy of greedy decoding (the output must equal the target
-    and end with ``<eos>``), and the teacher-forced loss. Text: next-character accuracy.
+    Built-in sequence tasks: exact-sequence accuracy of greedy decoding (the output must equal
+    the target and end with ``<eos>``), and the teacher-forced loss. Text: next-character
+    accuracy.
     """
     ctx = ctx or DistContext()
     was_training = model.training
     model.eval()
-    if isinstance(task, TextTask):
-        full = task.eval_batch(cfg.eval_size, cfg.seed)
-        rows = list(range(ctx.rank, full.inputs.shape[0], ctx.world_size))
-        part = LMBatch(full.inputs[rows], full.targets[rows])
-        total, n = loss_sum(model, part)
-        logits = model(part.inputs, padding_mask=part.inputs == PAD_ID)  # [B, T, V]
-        keep = part.targets != PAD_ID  # [B, T]
-        correct, count = int((logits.argmax(-1) == part.targets)[keep].sum()), n
-    else:
-        sources = task.eval_sources(cfg.eval_size, cfg.seed)[ctx.rank :: ctx.world_size]
-        correct, count, total, n = 0, 0, torch.zeros(()), 0
-        if sources:  # a process may get none when there are fewer examples than processes
-            correct, count = _eval_seq2seq(model, task, sources)
-            total, n = loss_sum(model, task.collate(sources))
-    stats = torch.tensor([correct, count, float(total), n], dtype=torch.float64)
+    sums = task.held_out_sums(model, cfg.eval_size, cfg.seed, ctx.rank, ctx.world_size)
+    stats = torch.tensor([sums.correct, sums.count, sums.loss, sums.tokens], dtype=torch.float64)
     stats = all_reduce_sum(stats, ctx)
     model.train(was_training)
     return float(stats[0] / stats[1]), float(stats[2] / stats[3])
@@ -187,12 +130,16 @@ def _check_resumable(cfg: TrainConfig, stored: dict[str, Any] | None, where: Pat
         )
 
 
-def train(cfg: TrainConfig, opts: RunOptions | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig, opts: RunOptions | None = None, task: Task | None = None
+) -> TrainResult:
     """Train ``cfg``'s task; under torchrun, on every process of the group.
 
     Args:
         cfg: the run's config.
         opts: run options (checkpoint directory, resume, stopping, progress bar).
+        task: any :class:`~qkv.train.task.Task` to train instead of the built-in
+            ``cfg.task`` (whose task fields are then unused).
 
     Returns:
         The :class:`TrainResult` (on every process).
@@ -208,38 +155,77 @@ def train(cfg: TrainConfig, opts: RunOptions | None = None) -> TrainResult:
         raise ValueError("resume needs a checkpoint directory (--out)")
     ctx = init_from_env()
     try:
-        return _train(cfg, opts, out, ctx)
+        return _train(cfg, opts, out, ctx, build_task(cfg) if task is None else task)
     finally:
         shutdown(ctx)
 
 
-def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContext) -> TrainResult:
+def _start_step(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    out: Path | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> int:
+    """0 for a fresh run; for ``resume``, the checkpoint's step after loading its weights,
+    optimizer and RNG state into ``model``/``optimizer``."""
+    if opts.resume:
+        assert out is not None  # train() refuses resume without out
+        ckpt = load_checkpoint(out)
+        _check_resumable(cfg, ckpt.train_config, out)
+        try:
+            load_weights(model, ckpt.weights, str(out))  # maps qkv 0.1 keys, then strict
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        restore_optimizer(optimizer, ckpt)
+        if ckpt.rng_state is not None:
+            torch.set_rng_state(ckpt.rng_state)
+        return ckpt.step
+    if out is not None and (out / "config.json").exists() and not opts.overwrite:
+        raise ValueError(
+            f"{out} already holds a checkpoint; pass --resume to continue it or "
+            f"--overwrite to start over"
+        )
+    return 0
+
+
+def _update(
+    net: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    global_batch: Batch,
+    lr: float,
+    cfg: TrainConfig,
+    ctx: DistContext,
+) -> float:
+    """One optimizer step on this process's shard of ``global_batch``; the global mean loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    local = global_batch.shard(ctx.rank, ctx.world_size)
+    n_global = int((global_batch.targets != PAD_ID).sum())
+    total, _ = loss_sum(net, local, cfg.label_smoothing)
+    loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return float(all_reduce_sum(total.detach(), ctx)) / n_global
+
+
+def _train(
+    cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContext, task: Task
+) -> TrainResult:
     if cfg.batch_size % ctx.world_size != 0:
         raise ValueError(
             f"batch_size={cfg.batch_size} must be divisible by the number of "
             f"processes ({ctx.world_size})"
         )
-    task = build_task(cfg)
     torch.manual_seed(cfg.seed)
-    model, model_config = build_model(cfg, task)
+    model_config = task.model_config(cfg)
+    model = model_from_config(task.model_type, model_config)
     optimizer = build_optimizer(model, cfg)
-    start = 0
-    has_ckpt = out is not None and (out / "config.json").exists()
-    if opts.resume:
-        assert out is not None
-        ckpt = load_checkpoint(out)
-        _check_resumable(cfg, ckpt.train_config, out)
-        check_weights_match(model, ckpt.weights, str(out))
-        model.load_state_dict(ckpt.weights)
-        restore_optimizer(optimizer, ckpt)
-        if ckpt.rng_state is not None:
-            torch.set_rng_state(ckpt.rng_state)
-        start = ckpt.step
-    elif has_ckpt and not opts.overwrite:
-        raise ValueError(
-            f"{out} already holds a checkpoint; pass --resume to continue it or "
-            f"--overwrite to start over"
-        )
+    start = _start_step(cfg, opts, out, model, optimizer)
     net = wrap_model(model, ctx)
     net.train()
     end = cfg.steps if opts.stop_after is None else min(cfg.steps, opts.stop_after)
@@ -250,7 +236,7 @@ def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContex
             result.checkpoint = save_checkpoint(
                 out,
                 model=model,
-                model_type=model_type_of(task),
+                model_type=task.model_type,
                 model_config=model_config,
                 task=task.spec(),
                 step=result.step,
@@ -264,7 +250,7 @@ def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContex
         total=cfg.steps,
         initial=start,
         disable=not (opts.progress and ctx.is_main),
-        desc=f"train {cfg.task}",
+        desc=f"train {task.name}",
         dynamic_ncols=True,
     )
     t0 = time.perf_counter()
@@ -272,20 +258,9 @@ def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContex
     for step in range(start, end):
         ts = time.perf_counter()
         lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         global_batch = task.train_batch(cfg.seed, step, cfg.batch_size)
-        local = global_batch.shard(ctx.rank, ctx.world_size)
-        n_global = int((_targets(global_batch) != PAD_ID).sum())
-        total, _ = loss_sum(net, local, cfg.label_smoothing)
-        loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        mean_loss = _update(net, model, optimizer, global_batch, lr, cfg, ctx)
         result.step = step + 1
-        mean_loss = float(all_reduce_sum(total.detach(), ctx)) / n_global
         result.losses.append(mean_loss)
         train_time += time.perf_counter() - ts
         tokens += global_batch.num_tokens
@@ -301,7 +276,7 @@ def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContex
             )
             if opts.log_evals and ctx.is_main:
                 bar.write(
-                    f"step {result.step}: held-out {_metric(task)} {acc:.2%}, "
+                    f"step {result.step}: held-out {task.metric} {acc:.2%}, "
                     f"loss {eval_loss:.4f}, {seconds:.1f} s"
                 )
             if opts.target_accuracy is not None and acc >= opts.target_accuracy:
@@ -313,11 +288,3 @@ def _train(cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContex
     result.seconds = time.perf_counter() - t0
     save()
     return result
-
-
-def _targets(batch: Seq2SeqBatch | LMBatch) -> Tensor:
-    return batch.tgt_out if isinstance(batch, Seq2SeqBatch) else batch.targets
-
-
-def _metric(task: Seq2SeqTask | TextTask) -> str:
-    return "next-char accuracy" if isinstance(task, TextTask) else "exact-match"

@@ -10,8 +10,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from qkv.apps.cli import main
-from qkv.apps.plots import checkpoint_attention
-from qkv.apps.viz import plot_attention, save_figure
+from qkv.apps.viz import checkpoint_attention, plot_attention, save_figure
 
 TRAIN = [
     "train",
@@ -115,3 +114,21 @@ def test_cli_refuses_pickles_and_mismatched_configs(
     assert "(32, 16)" in message and "(48, 16)" in message
     assert main(["generate", str(checkpoint), "xyz"]) == 2
     assert "'x' at position 0" in capsys.readouterr().out
+
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "qkv_0_1"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+CASES = [
+    ("reverse", [], "reverse_greedy"),
+    ("reverse", ["--beam", "3"], "reverse_beam3"),
+    ("text", ["--max-new-tokens", "8"], "text_greedy"),
+]
+
+
+@pytest.mark.parametrize(("name", "flags", "key"), CASES)
+def test_generate_decodes_qkv_0_1_checkpoints_as_they_did(
+    name: str, flags: list[str], key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for text, expected in EXPECTED[key].items():
+        assert main(["generate", str(FIXTURES / name), text, *flags]) == 0
+        assert capsys.readouterr().out.splitlines()[0] == expected, text

@@ -1,0 +1,88 @@
+"""What ``qkv train`` and ``qkv generate`` run: set up, call the library, print.
+
+Each ``run_*`` function takes the ``argparse.Namespace`` that :mod:`qkv.apps.cli` parsed and
+returns an exit code; the work itself lives in importable functions
+(:func:`qkv.train.loop.train`, :func:`qkv.train.inference.generate_text`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from qkv.train.config import TrainConfig
+from qkv.train.inference import generate_text, load_trained
+from qkv.train.loop import RunOptions, train
+
+__all__ = ["run_generate", "run_train"]
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``qkv train``: train, checkpoint, print a summary (rank 0 only)."""
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    if values["text_path"] is not None:
+        values["task"] = "text"
+    cfg = TrainConfig(**values)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out) if args.out is not None else Path("runs") / cfg.task
+    opts = RunOptions(
+        out=out,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        save_every=args.save_every,
+        stop_after=args.stop_after,
+        target_accuracy=args.target_accuracy,
+        progress=not args.no_progress,
+    )
+    result = train(cfg, opts)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    counted = "non-padding tokens" if cfg.task == "text" else "non-padding source + target"
+    print(
+        f"trained to step {result.step}/{cfg.steps} in {result.seconds:.1f} s on {world} "
+        f"process(es), {result.tokens_per_s:,.0f} tokens/s ({counted})"
+    )
+    if result.evals:
+        last = result.evals[-1]
+        print(f"held-out accuracy {last['accuracy']:.2%} at step {int(last['step'])}")
+        for threshold in (0.99,):
+            hit = next((e for e in result.evals if e["accuracy"] >= threshold), None)
+            if hit is not None:
+                print(
+                    f"first >= {threshold:.0%}: step {int(hit['step'])}, "
+                    f"{hit['seconds']:.1f} s after start of this run"
+                )
+    if result.checkpoint is not None:
+        print(f"checkpoint: {result.checkpoint.parent}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``qkv generate``: print the decoded output and tokens/s (timed after one untimed warm-up
+    decode, so the speed is the steady state rather than one-off first-call costs)."""
+    torch.set_num_threads(args.threads)
+    model, task, _ = load_trained(args.checkpoint)
+    generate_text(model, task, args.input, beam_size=args.beam, max_new_tokens=args.max_new_tokens)
+    gen = generate_text(
+        model,
+        task,
+        args.input,
+        beam_size=args.beam,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        greedy=not args.sample,
+        seed=args.seed,
+    )
+    print(gen.text)
+    mode = f"beam {args.beam}" if args.beam > 1 else ("sampled" if args.sample else "greedy")
+    print(
+        f"{len(gen.ids)} tokens in {gen.seconds * 1e3:.1f} ms ({gen.tokens_per_s:,.0f} tokens/s,"
+        f" {mode}, KV cache, timed after a warm-up run)"
+    )
+    return 0
