@@ -28,7 +28,7 @@ def test_tasks_build_the_model_config_qkv_0_1_wrote(name: str) -> None:
     cfg = TrainConfig.from_dict(stored)
     task = build_task(cfg)
     assert task.model_type == manifest["model_type"]
-    config_cls, _ = MODEL_TYPES[task.model_type]
+    config_cls = MODEL_TYPES[task.model_type].config
     built = config_cls.from_dict(task.model_config(cfg))
     assert built == config_cls.from_dict(manifest["model_config"])
 

@@ -135,7 +135,9 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
         "--positional", action="store_true", help="plot the sinusoidal positional encoding instead"
     )
     p.add_argument(
-        "--length", type=int, help="--positional: positions to draw (default: the model's max_positions)"
+        "--length",
+        type=int,
+        help="--positional: positions to draw (default: the model's max_positions)",
     )
     _add_threads(p)
 
