@@ -2,17 +2,25 @@
 
 Public API::
 
-    qkv.scaled_dot_product_attention(q, k, v, blocked_mask)  # (output, weights)
-    qkv.attention(q, k, v, mask=..., is_causal=...)           # keyword API the modules use
+    qkv.attention(q, k, v, mask=..., is_causal=...)           # the attention function
     qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # fused / blockwise too
     qkv.explain_backend(q, k, v, mask=...)                    # which backend, and why
-    qkv.masks                                                 # builders and converters
-    qkv.masks                                      # masks as rules, never [T, S]
+    qkv.scaled_dot_product_attention(q, k, v, blocked_mask)  # tutorial form: (output, weights)
+    qkv.masks                                                 # rules, builders, converters
     qkv.MultiHeadAttention                                    # nn.MultiheadAttention-compatible
     qkv.Transformer(qkv.TransformerConfig(...))               # encoder-decoder model
     qkv.DecoderOnlyLM(qkv.DecoderOnlyConfig(...))             # GPT-style causal LM
     qkv.KVCache                                               # keys/values for decoding
+
+Subpackages load on first use, so ``import qkv`` stays light: ``qkv.nn`` (building blocks),
+``qkv.models``, ``qkv.convert`` (torch.nn / Hugging Face weights), ``qkv.train``, ``qkv.apps``
+(the command line), ``qkv.backends``. docs/ARCHITECTURE.md shows the layers.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 from qkv import masks
 from qkv.functional import (
@@ -23,7 +31,9 @@ from qkv.functional import (
     scaled_dot_product_attention,
 )
 from qkv.masks import (
+    AnyOf,
     Causal,
+    Dense,
     Documents,
     MaskMod,
     Padding,
@@ -34,14 +44,20 @@ from qkv.models import DecoderOnlyConfig, DecoderOnlyLM, Transformer, Transforme
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.multihead import MultiHeadAttention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_LAZY_SUBPACKAGES = frozenset(
+    {"apps", "backends", "checks", "convert", "integrations", "models", "nn", "train"}
+)
 
 __all__ = [
     "BACKENDS",
+    "AnyOf",
     "Backend",
     "Causal",
     "DecoderOnlyConfig",
     "DecoderOnlyLM",
+    "Dense",
     "Documents",
     "KVCache",
     "MaskMod",
@@ -57,3 +73,18 @@ __all__ = [
     "masks",
     "scaled_dot_product_attention",
 ]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import a subpackage on first access (``qkv.convert``, ``qkv.train``, ...).
+
+    Raises:
+        AttributeError: ``name`` is neither a public name nor a subpackage of qkv.
+    """
+    if name in _LAZY_SUBPACKAGES:
+        return importlib.import_module(f"qkv.{name}")
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBPACKAGES})

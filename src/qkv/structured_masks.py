@@ -7,7 +7,7 @@ the rules and tiles of :mod:`qkv.masks`, plus ``Union`` (now ``AnyOf``).
 
 import warnings
 
-from qkv import masks as _masks
+import qkv.masks as _masks
 
 warnings.warn(
     "qkv.structured_masks is deprecated: import the rules from qkv.masks "

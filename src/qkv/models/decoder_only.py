@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from qkv import masks
+import qkv.masks as masks
 from qkv.models.config import DecoderOnlyConfig
 from qkv.models.generate import sample_decoder_only
 from qkv.models.inputs import check_ids, padding_from_ids, resolve_kv_cache
