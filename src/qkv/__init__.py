@@ -30,16 +30,7 @@ from qkv.functional import (
     explain_backend,
     scaled_dot_product_attention,
 )
-from qkv.masks import (
-    AnyOf,
-    Causal,
-    Dense,
-    Documents,
-    MaskMod,
-    Padding,
-    SlidingWindow,
-    StructuredMask,
-)
+from qkv.masks import AnyOf, Causal, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM, Transformer, TransformerConfig
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.multihead import MultiHeadAttention
@@ -57,7 +48,6 @@ __all__ = [
     "Causal",
     "DecoderOnlyConfig",
     "DecoderOnlyLM",
-    "Dense",
     "Documents",
     "KVCache",
     "MaskMod",
