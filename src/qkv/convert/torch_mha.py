@@ -123,8 +123,6 @@ def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
             f"nn.MultiheadAttention has no grouped-query attention: num_kv_heads="
             f"{module.num_kv_heads} != num_heads={module.num_heads}"
         )
-    out = accept_qkv_state_dict(
-        nn.MultiheadAttention(**_same_shape(module, module.q_proj.weight))
-    )
+    out = accept_qkv_state_dict(nn.MultiheadAttention(**_same_shape(module, module.q_proj.weight)))
     out.load_state_dict(module.state_dict())  # renamed by the pre-hook above
     return out.train(module.training)

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from qkv.checks import check_bool
 from qkv.functional import Backend, attention
 from qkv.masks import Dense, StructuredMask, combine
+from qkv.masks.convert import reshape_mha_attn_mask
 from qkv.nn.positional import apply_rotary
 
 if TYPE_CHECKING:
@@ -24,11 +25,14 @@ __all__ = ["MultiHeadAttention"]
 
 # nn.MultiheadAttention's packed keys -> qkv's, for the state-dict pre-hook
 _PACKED = ("in_proj_weight", "in_proj_bias")
-_SEPARATE = {"q_proj_weight": "q_proj.weight", "k_proj_weight": "k_proj.weight"}
-_SEPARATE["v_proj_weight"] = "v_proj.weight"
+_SEPARATE = {
+    "q_proj_weight": "q_proj.weight",
+    "k_proj_weight": "k_proj.weight",
+    "v_proj_weight": "v_proj.weight",
+}
 
 
-def _torch_mask(name: str, m: Tensor, B: int, H: int, T: int, S: int) -> Tensor:
+def _torch_mask(name: str, m: Tensor, B: int, H: int, S: int) -> Tensor:
     """``nn.MultiheadAttention``'s mask shapes as 4-D, broadcastable to ``[B, H, T, S]``.
 
     ``key_padding_mask``: ``[B, S]``. ``attn_mask``: ``[T, S]``, ``[B * H, T, S]``, or (qkv's
@@ -42,19 +46,9 @@ def _torch_mask(name: str, m: Tensor, B: int, H: int, T: int, S: int) -> Tensor:
         if tuple(m.shape) != (B, S):
             raise ValueError(f"key_padding_mask must be [B, S] = [{B}, {S}], got {tuple(m.shape)}")
         return m[:, None, None, :]  # [B, 1, 1, S]
-    if m.dim() == 2:
-        return m[None, None]  # [1, 1, T, S]
-    if m.dim() == 3:
-        if m.shape[0] != B * H:
-            raise ValueError(
-                f"3-D attn_mask must be [B * H, T, S] = [{B * H}, {T}, {S}], got {tuple(m.shape)}"
-            )
-        return m.view(B, H, m.shape[1], m.shape[2])  # [B, H, T, S]
     if m.dim() == 4:
-        return m  # [B|1, H|1, T|1, S|1]
-    raise ValueError(
-        f"attn_mask must be [T, S], [B * H, T, S] or 4-D [B, H, T, S], got {tuple(m.shape)}"
-    )
+        return m  # [B|1, H|1, T|1, S|1], qkv's extension
+    return reshape_mha_attn_mask(m, B, H)  # [1, 1, T, S] or [B, H, T, S]
 
 
 def _load_torch_keys(
@@ -366,7 +360,7 @@ class MultiHeadAttention(nn.Module):
         for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if m is None:
                 continue
-            m4 = _torch_mask(name, m, B, self.num_heads, T, S)  # [B|1, H|1, T|1, S]
+            m4 = _torch_mask(name, m, B, self.num_heads, S)  # [B|1, H|1, T|1, S]
             if m4.dtype == torch.bool:
                 blocked_parts.append(m4)
             else:  # PyTorch adds a float mask to the scores: so does qkv

@@ -136,8 +136,10 @@ class EncoderDecoder(nn.Module):
     @property
     def batch_first(self) -> bool:
         """The layers' layout (read from the first encoder layer, as PyTorch does)."""
-        first = self.encoder.layers[0] if len(self.encoder.layers) else None
-        return True if first is None else bool(first.self_attn.batch_first)
+        for layer in self.encoder.layers:
+            assert isinstance(layer, EncoderLayer)
+            return layer.self_attn.batch_first
+        return True
 
     @staticmethod
     def generate_square_subsequent_mask(
