@@ -12,9 +12,9 @@ def test_trace_model_shapes_records_layers_and_masks() -> None:
     assert rows["ids"][1] == (2, 3, 20)
     assert rows["src_embed"][1] == (2, 5, 32)
     enc_in, enc_out = rows["encoder.layers.1"]
-    assert enc_in == {"x": (2, 5, 32), "mask": (2, 1, 1, 5)} and enc_out == (2, 5, 32)
+    assert enc_in == {"src": (2, 5, 32), "src_mask": (2, 1, 1, 5)} and enc_out == (2, 5, 32)
     cross_in, _ = rows["decoder.layers.0.cross_attn"]
-    assert cross_in["key"] == (2, 5, 32) and cross_in["mask"] == (2, 1, 1, 5)
+    assert cross_in["key"] == (2, 5, 32) and cross_in["attn_mask"] == (2, 1, 1, 5)
     assert rows["decoder.layers.0.self_attn"][0]["causal"] == (1, 1, 3, 3)
     assert rows["lm_head"][1] == (2, 3, 20)
     with pytest.raises(ValueError, match="positive"):

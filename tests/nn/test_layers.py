@@ -79,9 +79,10 @@ def test_decoder_layer_with_cache_equals_full() -> None:
     x, memory = torch.randn(2, 5, 16), torch.randn(2, 6, 16)
     mem_mask = padding_mask(torch.tensor([6, 2]), 6)
     with torch.no_grad():
-        full = layer(x, memory, None, mem_mask)
+        full = layer(x, memory, None, mem_mask, tgt_is_causal=True)
         cache = KVCache(1, 5)
-        parts = [layer(x[:, t : t + 1], memory, None, mem_mask, kv_cache=cache) for t in range(5)]
+        step = {"tgt_is_causal": True, "kv_cache": cache}
+        parts = [layer(x[:, t : t + 1], memory, None, mem_mask, **step) for t in range(5)]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=ATOL, rtol=RTOL)
     cross = cache.get_cross(0)
     assert cross is not None and cross[0].shape == (2, 4, 6, 4)  # projected once, kept

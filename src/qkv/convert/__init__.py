@@ -1,7 +1,7 @@
 """State-dict conversion to and from other implementations (``torch.nn``, Hugging Face)."""
 
 from qkv.convert.hf_bert import load_bert
-from qkv.convert.torch_mha import from_torch_mha, to_torch_mha
+from qkv.convert.torch_mha import accept_qkv_state_dict, from_torch_mha, to_torch_mha
 from qkv.convert.torch_transformer import (
     from_torch_decoder_layer,
     from_torch_encoder_layer,
@@ -12,6 +12,7 @@ from qkv.convert.torch_transformer import (
 )
 
 __all__ = [
+    "accept_qkv_state_dict",
     "from_torch_decoder_layer",
     "from_torch_encoder_layer",
     "from_torch_mha",

@@ -2,7 +2,10 @@
 
 PyTorch packs the three input projections into ``in_proj_weight [3D, D]`` when key and value
 have the query's width, and keeps ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight``
-otherwise; qkv always keeps four named ``nn.Linear`` layers.
+otherwise; qkv always keeps four named ``nn.Linear`` layers. State dicts load both ways through
+load-state-dict pre-hooks: every :class:`qkv.MultiHeadAttention` takes PyTorch's keys, and
+:func:`accept_qkv_state_dict` teaches an ``nn.MultiheadAttention`` qkv's (the modules
+:func:`to_torch_mha` builds have it). The converters below are a build plus a hooked load.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import Tensor, nn
 
 from qkv.nn.multihead import MultiHeadAttention
 
-__all__ = ["from_torch_mha", "to_torch_mha"]
+__all__ = ["accept_qkv_state_dict", "from_torch_mha", "to_torch_mha"]
 
 
 def _same_shape(module: nn.MultiheadAttention | MultiHeadAttention, ref: Tensor) -> dict[str, Any]:
@@ -33,10 +36,46 @@ def _same_shape(module: nn.MultiheadAttention | MultiHeadAttention, ref: Tensor)
     }
 
 
-def _copy_out_proj(dst: nn.Linear, src: nn.Linear) -> None:
-    dst.weight.copy_(src.weight)
-    if dst.bias is not None and src.bias is not None:
-        dst.bias.copy_(src.bias)
+_PROJS = ("q_proj", "k_proj", "v_proj")
+
+
+def _load_qkv_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load-state-dict pre-hook for an ``nn.MultiheadAttention``: rename qkv's keys in place.
+
+    ``q_proj.weight`` & co. are packed into ``in_proj_weight`` (or renamed to ``q_proj_weight``
+    & co. when the module keeps separate projections), the three biases into ``in_proj_bias``;
+    ``out_proj.*`` is spelled alike. A PyTorch state dict passes unchanged.
+    """
+    assert isinstance(module, nn.MultiheadAttention)
+    weights = [state_dict.pop(f"{prefix}{p}.weight", None) for p in _PROJS]
+    biases = [state_dict.pop(f"{prefix}{p}.bias", None) for p in _PROJS]
+    if all(w is not None for w in weights):
+        if module._qkv_same_embed_dim:
+            state_dict[prefix + "in_proj_weight"] = torch.cat(weights, dim=0)  # [3D, D]
+        else:
+            for p, w in zip(_PROJS, weights, strict=True):
+                state_dict[f"{prefix}{p}_weight"] = w  # [D, kdim | vdim | D]
+    if all(b is not None for b in biases):
+        state_dict[prefix + "in_proj_bias"] = torch.cat(biases)  # [3D]
+
+
+def accept_qkv_state_dict(module: nn.MultiheadAttention) -> nn.MultiheadAttention:
+    """Let ``module.load_state_dict`` take a :class:`qkv.MultiHeadAttention` state dict too.
+
+    Args:
+        module: a PyTorch multi-head attention module (changed in place: a pre-hook is added;
+            its own state dicts still load as before).
+
+    Returns:
+        ``module``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.MultiheadAttention``.
+    """
+    if not isinstance(module, nn.MultiheadAttention):
+        raise TypeError(f"expected nn.MultiheadAttention, got {type(module).__name__}")
+    module.register_load_state_dict_pre_hook(_load_qkv_keys)
+    return module
 
 
 def from_torch_mha(module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -58,18 +97,7 @@ def from_torch_mha(module: nn.MultiheadAttention) -> MultiHeadAttention:
     if module.bias_k is not None or module.add_zero_attn:
         raise ValueError("bias_k/bias_v and add_zero_attn have no qkv equivalent")
     out = MultiHeadAttention(**_same_shape(module, module.out_proj.weight))
-    projs = (out.q_proj, out.k_proj, out.v_proj)
-    with torch.no_grad():
-        if module.in_proj_weight is not None:
-            ws = module.in_proj_weight.chunk(3, dim=0)  # 3 x [D, D]
-        else:
-            ws = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-        bs = (None,) * 3 if module.in_proj_bias is None else module.in_proj_bias.chunk(3)  # [D]
-        for proj, w, b in zip(projs, ws, bs, strict=True):
-            proj.weight.copy_(w)
-            if proj.bias is not None and b is not None:
-                proj.bias.copy_(b)
-        _copy_out_proj(out.out_proj, module.out_proj)
+    out.load_state_dict(module.state_dict())  # renamed by MultiHeadAttention's pre-hook
     return out.train(module.training)
 
 
@@ -81,7 +109,7 @@ def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
 
     Returns:
         An ``nn.MultiheadAttention`` with the same outputs and weights (same ``batch_first``,
-        dropout and training mode).
+        dropout and training mode), whose ``load_state_dict`` takes qkv's keys too.
 
     Raises:
         TypeError: ``module`` is not a :class:`qkv.MultiHeadAttention`.
@@ -95,18 +123,6 @@ def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
             f"nn.MultiheadAttention has no grouped-query attention: num_kv_heads="
             f"{module.num_kv_heads} != num_heads={module.num_heads}"
         )
-    out = nn.MultiheadAttention(**_same_shape(module, module.q_proj.weight))
-    projs = (module.q_proj, module.k_proj, module.v_proj)
-    with torch.no_grad():
-        ws = [p.weight for p in projs]
-        if out.in_proj_weight is not None:
-            out.in_proj_weight.copy_(torch.cat(ws, dim=0))  # [3D, D]
-        else:
-            separate = (out.q_proj_weight, out.k_proj_weight, out.v_proj_weight)
-            for dst, w in zip(separate, ws, strict=True):
-                dst.copy_(w)
-        if out.in_proj_bias is not None:
-            bs: list[Tensor] = [p.bias for p in projs if p.bias is not None]
-            out.in_proj_bias.copy_(torch.cat(bs))  # [3D]
-        _copy_out_proj(out.out_proj, module.out_proj)
+    out = accept_qkv_state_dict(nn.MultiheadAttention(**_same_shape(module, module.q_proj.weight)))
+    out.load_state_dict(module.state_dict())  # renamed by the pre-hook above
     return out.train(module.training)

@@ -13,8 +13,8 @@ The parts map one to one; only the names and PyTorch's packed ``in_proj_weight``
 ``nn.Transformer.encoder.norm``  ``EncoderDecoder.encoder.norm``
 ===============================  ===============================
 
-qkv layers are always batch first; a converted module expects ``[B, L, D]`` whatever the
-PyTorch module's ``batch_first`` was.
+A converted module keeps the source's ``batch_first`` and takes the source's call: the same
+signature, positional order, mask senses and (no) implicit causal mask, so it is a drop-in.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def _layer_kwargs(layer: TorchLayer) -> dict[str, Any]:
         "norm_first": layer.norm_first,
         "layer_norm_eps": layer.norm1.eps,
         "bias": layer.linear1.bias is not None,
+        "batch_first": layer.self_attn.batch_first,
         "device": w.device,
         "dtype": w.dtype,
     }
@@ -166,7 +167,7 @@ def from_torch_decoder_layer(layer: nn.TransformerDecoderLayer) -> DecoderLayer:
 def from_torch_transformer(module: nn.Transformer) -> EncoderDecoder:
     """A qkv :class:`EncoderDecoder` holding copies of ``module``'s weights.
 
-    Call it as ``nn.Transformer(batch_first=True)`` with key-padding masks; it gives the same
+    Call it as ``module``: the same signature, masks and ``batch_first``; it gives the same
     outputs (tested in eval mode to float32 atol 1e-5). To put the weights into a full
     :class:`qkv.Transformer`, ``model.encoder.load_state_dict(body.encoder.state_dict())`` (and
     the same for the decoder).
@@ -219,7 +220,7 @@ def _check_exportable(layer: QkvLayer) -> dict[str, Any]:
         "dropout": layer.dropout1.p,
         "activation": ffn.activation,
         "layer_norm_eps": layer.norm1.eps,
-        "batch_first": True,
+        "batch_first": attn.batch_first,
         "norm_first": layer.norm_first,
         "bias": ffn.fc1.bias is not None,
         "device": w.device,
@@ -228,7 +229,7 @@ def _check_exportable(layer: QkvLayer) -> dict[str, Any]:
 
 
 def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
-    """An ``nn.TransformerEncoderLayer(batch_first=True)`` with copies of ``layer``'s weights.
+    """An ``nn.TransformerEncoderLayer`` (``layer``'s ``batch_first``) with copies of its weights.
 
     Raises:
         TypeError: not a qkv :class:`EncoderLayer`.
@@ -238,7 +239,7 @@ def to_torch_encoder_layer(layer: EncoderLayer) -> nn.TransformerEncoderLayer:
 
 
 def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
-    """An ``nn.TransformerDecoderLayer(batch_first=True)`` with copies of ``layer``'s weights.
+    """An ``nn.TransformerDecoderLayer`` (``layer``'s ``batch_first``) with copies of its weights.
 
     Raises:
         TypeError: not a qkv :class:`DecoderLayer`.
@@ -248,7 +249,8 @@ def to_torch_decoder_layer(layer: DecoderLayer) -> nn.TransformerDecoderLayer:
 
 
 def to_torch_transformer(module: EncoderDecoder | Transformer) -> nn.Transformer:
-    """An ``nn.Transformer(batch_first=True)`` with copies of the encoder/decoder weights.
+    """An ``nn.Transformer`` (the layers' ``batch_first``) with copies of the encoder/decoder
+    weights.
 
     A full :class:`qkv.Transformer` exports its body (embeddings, positions and head have no
     place in ``nn.Transformer``).
@@ -274,7 +276,7 @@ def to_torch_transformer(module: EncoderDecoder | Transformer) -> nn.Transformer
         kw["dropout"],
         kw["activation"],
         layer_norm_eps=kw["layer_norm_eps"],
-        batch_first=True,
+        batch_first=kw["batch_first"],
         norm_first=kw["norm_first"],
         bias=kw["bias"],
         device=kw["device"],

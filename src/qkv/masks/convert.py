@@ -23,6 +23,7 @@ __all__ = [
     "from_mha_attn_mask",
     "from_mha_bool",
     "from_sdpa_bool",
+    "reshape_mha_attn_mask",
     "to_additive",
     "to_hf",
     "to_mha_bool",
@@ -50,6 +51,33 @@ def to_mha_bool(blocked: Tensor) -> Tensor:
     return _check_bool("blocked", blocked)
 
 
+def reshape_mha_attn_mask(attn_mask: Tensor, batch_size: int, num_heads: int) -> Tensor:
+    """An ``nn.MultiheadAttention`` ``attn_mask`` of any dtype as 4-D, values untouched.
+
+    Args:
+        attn_mask: ``[T, S]`` or ``[B * H, T, S]``.
+        batch_size: B.
+        num_heads: H.
+
+    Returns:
+        ``[1, 1, T, S]`` or ``[B, H, T, S]``.
+
+    Raises:
+        ValueError: a 3-D mask whose first dim is not ``B * H``, or another rank.
+    """
+    m = attn_mask
+    if m.dim() == 2:
+        return m[None, None]  # [1, 1, T, S]
+    if m.dim() == 3:
+        if m.shape[0] != batch_size * num_heads:
+            raise ValueError(
+                f"3-D attn_mask must be [B * H, T, S] = [{batch_size * num_heads}, T, S], "
+                f"got {tuple(m.shape)}"
+            )
+        return m.view(batch_size, num_heads, m.shape[1], m.shape[2])  # [B, H, T, S]
+    raise ValueError(f"attn_mask must be 2-D [T, S] or 3-D [B*H, T, S], got {tuple(m.shape)}")
+
+
 def from_mha_attn_mask(attn_mask: Tensor, batch_size: int, num_heads: int) -> Tensor:
     """Reshape an ``nn.MultiheadAttention`` ``attn_mask`` into a 4-D qkv mask.
 
@@ -65,16 +93,7 @@ def from_mha_attn_mask(attn_mask: Tensor, batch_size: int, num_heads: int) -> Te
         ValueError: a 3-D mask whose first dim is not ``B * H``, or another rank.
     """
     m = attn_mask if attn_mask.dtype == torch.bool else from_additive(attn_mask)
-    if m.dim() == 2:
-        return m[None, None]  # [1, 1, T, S]
-    if m.dim() == 3:
-        if m.shape[0] != batch_size * num_heads:
-            raise ValueError(
-                f"3-D attn_mask must be [B * H, T, S] = [{batch_size * num_heads}, T, S], "
-                f"got {tuple(m.shape)}"
-            )
-        return m.view(batch_size, num_heads, m.shape[1], m.shape[2])  # [B, H, T, S]
-    raise ValueError(f"attn_mask must be 2-D [T, S] or 3-D [B*H, T, S], got {tuple(m.shape)}")
+    return reshape_mha_attn_mask(m, batch_size, num_heads)
 
 
 def from_hf(attention_mask: Tensor) -> Tensor:

@@ -191,6 +191,7 @@ class Transformer(nn.Module):
             memory,
             self_mask,
             memory_mask,
+            tgt_is_causal=True,
             self_attn_bias=pos.attn_bias,
             rope=pos.rope,
             kv_cache=cache,

@@ -6,8 +6,15 @@ Both layers share one constructor (:class:`_Layer`): a decoder layer is an encod
 cross-attention block with its own norm and dropout. The attribute names are the state-dict keys
 (``self_attn``, ``cross_attn``, ``ffn``, ``norm1..3``), fixed for checkpoints and converters.
 
-Shapes: B batch, T target length, S source length, D model width, H heads.
-Masks are in qkv's convention (bool, True = blocked, broadcastable to ``[B, H, T, S]``).
+The calls are ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``'s, positional
+order and mask senses included, so a converted layer is a drop-in for PyTorch's: attention masks
+bool True = blocked or float added to the scores, ``[T, S]`` or ``[B * H, T, S]`` (and, qkv's
+extension, 4-D broadcastable to ``[B, H, T, S]``); key-padding masks ``[B, S]``, True = padding;
+no causal mask unless asked for. qkv's extras (ALiBi bias, rotary tables, a KV cache) are
+keyword-only.
+
+Shapes: B batch, T target length, S source length, D model width, H heads; inputs ``[B, L, D]``
+(``[L, B, D]`` with ``batch_first=False``, ``[L, D]`` unbatched).
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DecoderLayer", "EncoderLayer", "NormKind", "make_norm"]
 
+# (attention mask, key-padding mask) of one attention block, in PyTorch's senses
+_Masks = tuple[Tensor | None, Tensor | None]
+
 
 class _Layer(nn.Module):
     """The parts every layer has: self-attention, feed-forward, one norm and one dropout per
@@ -42,6 +52,8 @@ class _Layer(nn.Module):
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
         num_kv_heads: key/value heads for grouped-query attention (default H).
         bias: biases in the linear layers.
+        batch_first: inputs are ``[B, L, D]`` (True) or ``[L, B, D]`` (False, PyTorch's
+            default; qkv's is True).
         device: parameter device.
         dtype: parameter dtype.
     """
@@ -65,6 +77,7 @@ class _Layer(nn.Module):
         norm: NormKind = "layer",
         num_kv_heads: int | None = None,
         bias: bool = True,
+        batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -75,6 +88,7 @@ class _Layer(nn.Module):
             "num_kv_heads": num_kv_heads,
             "bias": bias,
             "dropout": dropout,
+            "batch_first": batch_first,
             **factory,
         }
         self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
@@ -87,11 +101,32 @@ class _Layer(nn.Module):
         for i in range(1, sublayers + 1):
             setattr(self, f"dropout{i}", nn.Dropout(dropout))
 
-    def _self_block(
-        self, x: Tensor, mask: Tensor | None, is_causal: bool, extra: dict[str, Any]
+    @staticmethod
+    def _attend(
+        attn: MultiHeadAttention,
+        x: Tensor,
+        kv: Tensor,
+        masks: _Masks,
+        is_causal: bool,
+        extra: dict[str, Any],
     ) -> Tensor:
-        out, _ = self.self_attn(x, need_weights=False, mask=mask, is_causal=is_causal, **extra)
-        return self.dropout1(out)  # [B, T, D]
+        attn_mask, key_padding_mask = masks
+        out, _ = attn(
+            x,
+            kv,
+            kv,
+            key_padding_mask=key_padding_mask,
+            need_weights=False,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            **extra,
+        )
+        return out  # [B, T, D]
+
+    def _self_block(
+        self, x: Tensor, masks: _Masks, is_causal: bool, extra: dict[str, Any]
+    ) -> Tensor:
+        return self.dropout1(self._attend(self.self_attn, x, x, masks, is_causal, extra))
 
 
 class EncoderLayer(_Layer):
@@ -105,28 +140,36 @@ class EncoderLayer(_Layer):
 
     def forward(
         self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        *,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
+        *,
         attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
     ) -> Tensor:
-        """Args:
-            x: ``[B, T, D]``.
-            mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (e.g. key padding);
-                ``S = T`` without a cache, cached + new tokens with one.
-            is_causal: also block future positions (bottom-right aligned, right with a cache).
+        """``nn.TransformerEncoderLayer.forward``, plus qkv's keyword-only extras.
+
+        Args:
+            src: ``[B, T, D]`` (``[T, B, D]`` if not ``batch_first``, ``[T, D]`` unbatched).
+            src_mask: ``[T, S]``, ``[B * H, T, S]`` or 4-D broadcastable to ``[B, H, T, S]``;
+                bool True = blocked, or float added to the scores. ``S = T`` without a cache,
+                cached + new tokens with one.
+            src_key_padding_mask: ``[B, S]``, bool True = padding, or float added to the scores.
+            is_causal: also block future positions (bottom-right aligned, right with a cache);
+                PyTorch reads it as a hint that ``src_mask`` is causal: the same result then.
             attn_bias: float score bias ``[*, H, T, S]`` (ALiBi).
             rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for these positions.
             kv_cache: decode incrementally: keys/values of earlier tokens come from the cache.
             layer_idx: this layer's slot in the cache.
 
         Returns:
-            ``[B, T, D]``.
+            The input's shape and layout.
         """
+        x = src
+        masks = (src_mask, src_key_padding_mask)
         extra: dict[str, Any] = {
             "attn_bias": attn_bias,
             "rope": rope,
@@ -134,10 +177,10 @@ class EncoderLayer(_Layer):
             "layer_idx": layer_idx,
         }
         if self.norm_first:
-            x = x + self._self_block(self.norm1(x), mask, is_causal, extra)  # [B, T, D]
+            x = x + self._self_block(self.norm1(x), masks, is_causal, extra)  # [B, T, D]
             x = x + self.dropout2(self.ffn(self.norm2(x)))  # [B, T, D]
         else:
-            x = self.norm1(x + self._self_block(x, mask, is_causal, extra))  # [B, T, D]
+            x = self.norm1(x + self._self_block(x, masks, is_causal, extra))  # [B, T, D]
             x = self.norm2(x + self.dropout2(self.ffn(x)))  # [B, T, D]
         return x
 
@@ -154,31 +197,41 @@ class DecoderLayer(_Layer):
     dropout3: nn.Dropout
 
     def _cross_block(
-        self, x: Tensor, memory: Tensor, mask: Tensor | None, extra: dict[str, Any]
+        self, x: Tensor, memory: Tensor, masks: _Masks, is_causal: bool, extra: dict[str, Any]
     ) -> Tensor:
-        out, _ = self.cross_attn(x, memory, memory, need_weights=False, mask=mask, **extra)
-        return self.dropout2(out)  # [B, T, D]
+        return self.dropout2(self._attend(self.cross_attn, x, memory, masks, is_causal, extra))
 
     def forward(
         self,
-        x: Tensor,
+        tgt: Tensor,
         memory: Tensor,
-        self_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
         memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
         *,
-        is_causal: bool = True,
         self_attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
         layer_idx: int = 0,
     ) -> Tensor:
-        """Args:
-            x: target ``[B, T, D]``.
-            memory: encoder output ``[B, S, D]``.
-            self_mask: bool, True = blocked, broadcastable to ``[B, H, T, T]`` (target padding;
-                with a cache the last dim counts cached + new tokens).
-            memory_mask: bool, True = blocked, broadcastable to ``[B, H, T, S]`` (source padding).
-            is_causal: block future target positions (default True; bottom-right aligned).
+        """``nn.TransformerDecoderLayer.forward``, plus qkv's keyword-only extras.
+
+        Args:
+            tgt: target ``[B, T, D]`` (``[T, B, D]`` if not ``batch_first``, ``[T, D]``
+                unbatched).
+            memory: encoder output ``[B, S, D]``, same layout.
+            tgt_mask: self-attention mask ``[T, T]``, ``[B * H, T, T]`` or 4-D broadcastable
+                to ``[B, H, T, T]`` (with a cache the last dim counts cached + new tokens);
+                bool True = blocked, or float added to the scores.
+            memory_mask: cross-attention mask, the same forms over ``[T, S]``.
+            tgt_key_padding_mask: ``[B, T]`` (cached + new), bool True = padding, or float.
+            memory_key_padding_mask: ``[B, S]``, bool True = padding, or float.
+            tgt_is_causal: block future target positions (bottom-right aligned). Default
+                False, as in PyTorch: pass it (or a causal ``tgt_mask``) for a decoder.
+            memory_is_causal: the same for the cross-attention.
             self_attn_bias: float score bias for the self-attention (ALiBi).
             rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for the target positions (self-attention
                 only).
@@ -187,8 +240,11 @@ class DecoderLayer(_Layer):
             layer_idx: this layer's slot in the cache.
 
         Returns:
-            ``[B, T, D]``.
+            The target's shape and layout.
         """
+        x = tgt
+        self_masks = (tgt_mask, tgt_key_padding_mask)
+        cross_masks = (memory_mask, memory_key_padding_mask)
         sa: dict[str, Any] = {
             "attn_bias": self_attn_bias,
             "rope": rope,
@@ -197,11 +253,15 @@ class DecoderLayer(_Layer):
         }
         ca: dict[str, Any] = {"kv_cache": kv_cache, "layer_idx": layer_idx, "cross": True}
         if self.norm_first:
-            x = x + self._self_block(self.norm1(x), self_mask, is_causal, sa)  # [B, T, D]
-            x = x + self._cross_block(self.norm2(x), memory, memory_mask, ca)  # [B, T, D]
+            x = x + self._self_block(self.norm1(x), self_masks, tgt_is_causal, sa)  # [B, T, D]
+            x = x + self._cross_block(
+                self.norm2(x), memory, cross_masks, memory_is_causal, ca
+            )  # [B, T, D]
             x = x + self.dropout3(self.ffn(self.norm3(x)))  # [B, T, D]
         else:
-            x = self.norm1(x + self._self_block(x, self_mask, is_causal, sa))  # [B, T, D]
-            x = self.norm2(x + self._cross_block(x, memory, memory_mask, ca))  # [B, T, D]
+            x = self.norm1(x + self._self_block(x, self_masks, tgt_is_causal, sa))  # [B, T, D]
+            x = self.norm2(
+                x + self._cross_block(x, memory, cross_masks, memory_is_causal, ca)
+            )  # [B, T, D]
             x = self.norm3(x + self.dropout3(self.ffn(x)))  # [B, T, D]
         return x

@@ -2,21 +2,22 @@
 
 The layers are injected (built by the model or by a converter), so a stack only loops:
 layer ``i`` gets ``layer_idx=i`` for its slot in a :class:`~qkv.nn.kv_cache.KVCache`.
-:class:`EncoderDecoder` is ``nn.Transformer`` without embeddings or head, the same call
-(batch first, True = padding masks), so that :mod:`qkv.convert.torch_transformer` maps one onto
-the other weight for weight.
+:class:`Encoder`, :class:`Decoder` and :class:`EncoderDecoder` take ``nn.TransformerEncoder``,
+``nn.TransformerDecoder`` and ``nn.Transformer``'s calls (positional order, mask senses, no
+implicit causal mask, the layers' ``batch_first``), so that :mod:`qkv.convert.torch_transformer`
+maps one onto the other weight for weight and call for call; qkv's extras are keyword-only.
 
 Shapes: B batch, S source length, T target length, D model width, H heads.
-Masks are in qkv's convention (bool, True = blocked, broadcastable to ``[B, H, T, S]``).
+Masks: as :mod:`qkv.nn.layers` (PyTorch's senses; 4-D broadcastable to ``[B, H, T, S]`` too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
-from qkv.masks import padding_mask
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 
@@ -38,20 +39,27 @@ class Encoder(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
+        src: Tensor,
         mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool | None = None,
         *,
-        is_causal: bool = False,
         attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
-        """Args: as :meth:`EncoderLayer.forward`; x ``[B, T, D]``. Returns ``[B, T, D]``."""
+        """``nn.TransformerEncoder.forward``; args as :meth:`EncoderLayer.forward`.
+
+        ``is_causal=None`` (PyTorch's default, which then inspects ``mask``) means False here:
+        a causal ``mask`` blocks the same keys either way. Returns the input's shape.
+        """
+        x = src
         for i, layer in enumerate(self.layers):
             x = layer(
                 x,
                 mask,
-                is_causal=is_causal,
+                src_key_padding_mask,
+                bool(is_causal),
                 attn_bias=attn_bias,
                 rope=rope,
                 kv_cache=kv_cache,
@@ -75,24 +83,35 @@ class Decoder(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
+        tgt: Tensor,
         memory: Tensor,
-        self_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
         memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool | None = None,
+        memory_is_causal: bool = False,
         *,
-        is_causal: bool = True,
         self_attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
-        """Args: as :meth:`DecoderLayer.forward`; x ``[B, T, D]``. Returns ``[B, T, D]``."""
+        """``nn.TransformerDecoder.forward``; args as :meth:`DecoderLayer.forward`.
+
+        ``tgt_is_causal=None`` means False (no implicit causal mask, as in PyTorch).
+        Returns the target's shape.
+        """
+        x = tgt
         for i, layer in enumerate(self.layers):
             x = layer(
                 x,
                 memory,
-                self_mask,
+                tgt_mask,
                 memory_mask,
-                is_causal=is_causal,
+                tgt_key_padding_mask,
+                memory_key_padding_mask,
+                bool(tgt_is_causal),
+                memory_is_causal,
                 self_attn_bias=self_attn_bias,
                 rope=rope,
                 kv_cache=kv_cache,
@@ -114,38 +133,88 @@ class EncoderDecoder(nn.Module):
         self.encoder = encoder
         self.decoder = decoder
 
+    @property
+    def batch_first(self) -> bool:
+        """The layers' layout (read from the first encoder layer, as PyTorch does)."""
+        for layer in self.encoder.layers:
+            assert isinstance(layer, EncoderLayer)
+            return layer.self_attn.batch_first
+        return True
+
+    @staticmethod
+    def generate_square_subsequent_mask(
+        sz: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """``nn.Transformer.generate_square_subsequent_mask``: float ``[sz, sz]``, ``-inf``
+        above the diagonal, 0 elsewhere."""
+        return nn.Transformer.generate_square_subsequent_mask(sz, device, dtype)
+
     def forward(
         self,
         src: Tensor,
         tgt: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
-        *,
-        tgt_is_causal: bool = True,
+        src_is_causal: bool | None = None,
+        tgt_is_causal: bool | None = None,
+        memory_is_causal: bool = False,
     ) -> Tensor:
-        """``nn.Transformer(batch_first=True)``'s forward with key-padding masks only.
+        """``nn.Transformer.forward``: the same signature and semantics.
+
+        No causal mask unless asked for (``tgt_mask`` or ``tgt_is_causal=True``); the layout is
+        the layers' ``batch_first`` (the source module's, for a converted one).
 
         Args:
-            src: ``[B, S, D]``.
-            tgt: ``[B, T, D]``.
-            src_key_padding_mask: bool ``[B, S]``, True = padding.
-            tgt_key_padding_mask: bool ``[B, T]``, True = padding.
-            memory_key_padding_mask: bool ``[B, S]``, True = padding.
-            tgt_is_causal: causal target self-attention.
+            src: ``[B, S, D]`` (``[S, B, D]`` if not ``batch_first``; ``[S, D]`` unbatched).
+            tgt: ``[B, T, D]``, same layout.
+            src_mask: encoder self-attention mask ``[S, S]`` or ``[B * H, S, S]``, bool
+                True = blocked, or float added to the scores.
+            tgt_mask: decoder self-attention mask ``[T, T]`` or ``[B * H, T, T]``, same senses.
+            memory_mask: cross-attention mask ``[T, S]`` or ``[B * H, T, S]``, same senses.
+            src_key_padding_mask: ``[B, S]``, bool True = padding, or float.
+            tgt_key_padding_mask: ``[B, T]``, bool True = padding, or float.
+            memory_key_padding_mask: ``[B, S]``, bool True = padding, or float.
+            src_is_causal: causal encoder self-attention (None: False).
+            tgt_is_causal: causal decoder self-attention (None: False).
+            memory_is_causal: causal cross-attention.
 
         Returns:
-            ``[B, T, D]``.
+            ``[B, T, D]`` in ``tgt``'s layout.
+
+        Raises:
+            TypeError: ``src`` or ``tgt`` is not a tensor.
+            ValueError: ``src`` and ``tgt`` of different batch sizes or widths, or of different
+                ranks.
         """
-
-        def pad(m: Tensor | None) -> Tensor | None:
-            return None if m is None else padding_mask(m)  # [B, 1, 1, L]
-
-        memory = self.encoder(src, pad(src_key_padding_mask))  # [B, S, D]
+        if not isinstance(src, Tensor) or not isinstance(tgt, Tensor):
+            raise TypeError(
+                f"src and tgt must be tensors, got {type(src).__name__} and {type(tgt).__name__}"
+            )
+        batch_dim = 0 if self.batch_first else 1
+        if src.dim() != tgt.dim() or (
+            src.dim() == 3 and src.shape[batch_dim] != tgt.shape[batch_dim]
+        ):
+            layout = "[B, L, D]" if self.batch_first else "[L, B, D]"
+            raise ValueError(
+                f"src and tgt must share the batch size in the layout {layout} "
+                f"(batch_first={self.batch_first}), got {tuple(src.shape)} and {tuple(tgt.shape)}"
+            )
+        if src.shape[-1] != tgt.shape[-1]:
+            raise ValueError(
+                f"src and tgt must share the width D, got {tuple(src.shape)} and {tuple(tgt.shape)}"
+            )
+        memory = self.encoder(src, src_mask, src_key_padding_mask, src_is_causal)  # [B, S, D]
         return self.decoder(
             tgt,
             memory,
-            pad(tgt_key_padding_mask),
-            pad(memory_key_padding_mask),
-            is_causal=tgt_is_causal,
+            tgt_mask,
+            memory_mask,
+            tgt_key_padding_mask,
+            memory_key_padding_mask,
+            tgt_is_causal,
+            memory_is_causal,
         )  # [B, T, D]
