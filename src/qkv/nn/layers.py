@@ -42,6 +42,9 @@ class _Layer(nn.Module):
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
         num_kv_heads: key/value heads for grouped-query attention (default H).
         bias: biases in the linear layers.
+        qkv_bias: biases on the attention's query/key/value projections (default ``bias``).
+        out_bias: a bias on the attention's output projection (default ``bias``).
+        ffn_bias: biases in the feed-forward block (default ``bias``).
         device: parameter device.
         dtype: parameter dtype.
     """
@@ -65,6 +68,9 @@ class _Layer(nn.Module):
         norm: NormKind = "layer",
         num_kv_heads: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        ffn_bias: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -74,13 +80,16 @@ class _Layer(nn.Module):
         attn_kw: dict[str, Any] = {
             "num_kv_heads": num_kv_heads,
             "bias": bias,
+            "qkv_bias": qkv_bias,
+            "out_bias": out_bias,
             "dropout": dropout,
             **factory,
         }
         self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
         if self._cross:
             self.cross_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
-        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=bias, **factory)
+        ffn_b = bias if ffn_bias is None else ffn_bias
+        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=ffn_b, **factory)
         sublayers = 3 if self._cross else 2
         for i in range(1, sublayers + 1):
             setattr(self, f"norm{i}", make_norm(norm, d_model, layer_norm_eps, **factory))
