@@ -16,7 +16,6 @@ implies is an error that names the keys. Keys may carry the ``bert.`` prefix tha
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,7 +24,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.convert.hf_files import INDEX_FILE, read_headers, read_tensors, weight_files
+from qkv.convert.hf_files import (
+    INDEX_FILE,
+    listing,
+    read_config,
+    read_headers,
+    read_tensors,
+    require_keys,
+    weight_files,
+)
 from qkv.models.bert import BertConfig, BertEncoder
 
 __all__ = [
@@ -86,7 +93,6 @@ _PATTERNS = [
     (re.compile("^" + re.escape(hf).replace(r"\{\}", r"(\d+)") + "$"), ours)
     for hf, ours in KEY_MAP.items()
 ]
-_SHOW = 12  # names listed per kind of problem in an error message
 
 
 def check_checkpoint_dir(path: str | Path, files: tuple[str, ...] = REQUIRED_FILES) -> Path:
@@ -157,9 +163,7 @@ def bert_config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -
         "num_attention_heads",
         "intermediate_size",
     )
-    absent = [name for name in required if name not in hf]
-    if absent:
-        raise ValueError(f"{source} lacks {', '.join(absent)}")
+    require_keys(hf, required, source)
     optional = (
         "hidden_act",
         "hidden_dropout_prob",
@@ -174,11 +178,6 @@ def bert_config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -
         return BertConfig(**fields)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{source}: {err}") from None
-
-
-def _listing(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_SHOW])
-    return shown + (f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
 
 
 def _hf_name(ours: str) -> str:
@@ -273,15 +272,15 @@ def convert_bert_state_dict(
                 f" (layers {sorted(extra_layers)} lie beyond config.json's "
                 f"num_hidden_layers={config.num_hidden_layers})"
             )
-        problems.insert(0, f"{len(unknown)} unknown key(s){note}: {_listing(unknown)}")
+        problems.insert(0, f"{len(unknown)} unknown key(s){note}: {listing(unknown)}")
     if missing:
         named = sorted(_hf_name(k) for k in missing)
-        problems.append(f"{len(missing)} missing key(s): {_listing(named)}")
+        problems.append(f"{len(missing)} missing key(s): {listing(named)}")
     if misshaped:
         problems.append(
             f"{len(misshaped)} key(s) of another shape than config.json implies (check its "
             f"hidden_size, intermediate_size, vocab_size, max_position_embeddings, "
-            f"type_vocab_size): {_listing(misshaped)}"
+            f"type_vocab_size): {listing(misshaped)}"
         )
     if problems:
         raise ValueError("BERT checkpoint does not fit its config: " + "; ".join(problems))
@@ -303,14 +302,7 @@ def read_bert_checkpoint(
         TypeError: a weight that is not floating point.
     """
     root = check_checkpoint_dir(path, WEIGHT_FILES)
-    config_path = root / "config.json"
-    try:
-        hf = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path} is not valid JSON: {err}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{config_path} must hold a JSON object, got {type(hf).__name__}")
-    config = bert_config_from_hf(hf, source=str(config_path))
+    config = bert_config_from_hf(read_config(root), source=str(root / "config.json"))
     headers = read_headers(weight_files(root))
     tensors = read_tensors(headers, headers)
     state_dict, ignored = convert_bert_state_dict(tensors, config)

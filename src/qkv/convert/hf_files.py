@@ -24,17 +24,22 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from qkv.models.config import DecoderOnlyConfig
+
 __all__ = [
     "INDEX_FILE",
     "WEIGHTS_FILE",
     "Header",
     "Rule",
     "check_against",
+    "decoder_config",
     "expand_rules",
     "from_qkv",
+    "listing",
     "read_config",
     "read_headers",
     "read_tensors",
+    "require_keys",
     "to_qkv",
     "weight_files",
     "write_dir",
@@ -90,6 +95,44 @@ def read_config(root: Path) -> dict[str, Any]:
     if not isinstance(hf, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
     return hf
+
+
+def require_keys(hf: Mapping[str, Any], keys: Iterable[str], source: str) -> None:
+    """Raise ``ValueError`` naming every key of ``keys`` that ``hf`` lacks."""
+    absent = [k for k in keys if k not in hf]
+    if absent:
+        raise ValueError(f"{source} lacks {', '.join(absent)}")
+
+
+def decoder_config(
+    hf: Mapping[str, Any], source: str, problems: list[str], **fields: Any
+) -> DecoderOnlyConfig:
+    """A pre-norm, dropout-free :class:`DecoderOnlyConfig` from a HF config's ``fields``.
+
+    Args:
+        hf: the parsed ``config.json`` (its ``vocab_size``, ``model_type``, ``eos_token_id``).
+        source: where it came from, for the messages.
+        problems: the unsupported options found, each named with its value.
+        fields: the remaining :class:`DecoderOnlyConfig` fields.
+
+    Raises:
+        ValueError: ``problems`` is not empty, or the config rejects a value.
+    """
+    if problems:
+        raise ValueError(
+            f"{source}: unsupported {hf.get('model_type')} options: " + "; ".join(problems)
+        )
+    V, eos = hf["vocab_size"], hf.get("eos_token_id")
+    try:
+        return DecoderOnlyConfig(
+            V,
+            dropout=0.0,
+            norm_first=True,
+            eos_id=eos if isinstance(eos, int) and 0 <= eos < V else None,
+            **fields,
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: {err}") from None
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -179,7 +222,8 @@ def _hf_shape(rule: Rule, ours: Mapping[str, tuple[int, ...]]) -> tuple[int, ...
     return (*reversed(shapes[0][1:]), rows)  # split_t: [in, sum(out)] (or [sum] for biases)
 
 
-def _listing(keys: list[str]) -> str:
+def listing(keys: list[str]) -> str:
+    """The first names of ``keys``, and how many more."""
     shown = ", ".join(keys[:_SHOW])
     return shown + (f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
 
@@ -225,16 +269,16 @@ def check_against(
     missing = sorted(set(expected) - set(headers))
     problems = []
     if unknown:
-        problems.append(f"{len(unknown)} unknown key(s): {_listing(unknown)}")
+        problems.append(f"{len(unknown)} unknown key(s): {listing(unknown)}")
     if missing:
-        problems.append(f"{len(missing)} missing key(s): {_listing(missing)}")
+        problems.append(f"{len(missing)} missing key(s): {listing(missing)}")
     if misshaped:
         problems.append(
             f"{len(misshaped)} key(s) of another shape than config.json implies: "
-            f"{_listing(misshaped)}"
+            f"{listing(misshaped)}"
         )
     if not_float:
-        problems.append(f"weights that are not floating point: {_listing(not_float)}")
+        problems.append(f"weights that are not floating point: {listing(not_float)}")
     if problems:
         raise ValueError(f"{what} does not fit its config: " + "; ".join(problems))
     return skipped

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qkv.convert.hf_files import Rule
+from qkv.convert.hf_files import Rule, decoder_config, require_keys
 from qkv.models.config import DecoderOnlyConfig
 from qkv.nn.feed_forward import Activation
 
@@ -62,9 +62,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
             the layer index, cross-attention, another activation), a missing size, or a value the
             config rejects; each named.
     """
-    absent = [k for k in ("vocab_size", "n_embd", "n_layer", "n_head") if k not in hf]
-    if absent:
-        raise ValueError(f"{source} lacks {', '.join(absent)}")
+    require_keys(hf, ("vocab_size", "n_embd", "n_layer", "n_head"), source)
     act = hf.get("activation_function", "gelu_new")
     problems = []
     if act not in _ACTIVATIONS:
@@ -75,29 +73,22 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
         problems.append("scale_attn_by_inverse_layer_idx=true")
     if hf.get("add_cross_attention", False):
         problems.append("add_cross_attention=true")
-    if problems:
-        raise ValueError(f"{source}: unsupported gpt2 options: " + "; ".join(problems))
     D = hf["n_embd"]
-    eos = hf.get("eos_token_id")
-    try:
-        return DecoderOnlyConfig(
-            hf["vocab_size"],
-            num_layers=hf["n_layer"],
-            d_model=D,
-            num_heads=hf["n_head"],
-            dim_feedforward=hf.get("n_inner") or 4 * D,
-            dropout=0.0,
-            activation=_ACTIVATIONS[act],
-            norm="layer",
-            norm_first=True,
-            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            positional="learned",
-            max_positions=hf.get("n_positions", 1024),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            eos_id=eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None,
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: {err}") from None
+    return decoder_config(
+        hf,
+        source,
+        problems,
+        num_layers=hf["n_layer"],
+        d_model=D,
+        num_heads=hf["n_head"],
+        dim_feedforward=hf.get("n_inner") or 4 * D,
+        activation=_ACTIVATIONS.get(act, "gelu"),
+        norm="layer",
+        layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        positional="learned",
+        max_positions=hf.get("n_positions", 1024),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
 
 
 def rules(c: DecoderOnlyConfig) -> list[Rule]:

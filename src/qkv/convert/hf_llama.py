@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qkv.convert.hf_files import Rule
+from qkv.convert.hf_files import Rule, decoder_config, require_keys
 from qkv.models.config import DecoderOnlyConfig
 
 __all__ = ["IGNORED", "MODEL_TYPES", "PREFIX", "config_from_hf", "config_to_hf", "rules"]
@@ -68,9 +68,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
         "num_hidden_layers",
         "num_attention_heads",
     )
-    absent = [k for k in required if k not in hf]
-    if absent:
-        raise ValueError(f"{source} lacks {', '.join(absent)}")
+    require_keys(hf, required, source)
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
@@ -84,34 +82,27 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
     uses_window = hf.get("use_sliding_window", kind == "mistral")
     if uses_window and window is not None and window < hf.get("max_position_embeddings", 2048):
         problems.append(f"sliding_window={window} (qkv's decoder attends to every earlier token)")
-    if problems:
-        raise ValueError(f"{source}: unsupported {kind} options: " + "; ".join(problems))
     qkv_bias = kind == "qwen2" or bool(hf.get("attention_bias", False))
-    eos = hf.get("eos_token_id")
-    try:
-        return DecoderOnlyConfig(
-            hf["vocab_size"],
-            num_layers=hf["num_hidden_layers"],
-            d_model=D,
-            num_heads=H,
-            num_kv_heads=hf.get("num_key_value_heads") or H,
-            dim_feedforward=hf["intermediate_size"],
-            dropout=0.0,
-            activation="swiglu",
-            norm="rms",
-            norm_first=True,
-            layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            positional="rotary",
-            rope_theta=_rope_theta(hf, source),
-            max_positions=hf.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            out_bias=kind != "qwen2" and bool(hf.get("attention_bias", False)),
-            ffn_bias=bool(hf.get("mlp_bias", False)),
-            eos_id=eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None,
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: {err}") from None
+    return decoder_config(
+        hf,
+        source,
+        problems,
+        num_layers=hf["num_hidden_layers"],
+        d_model=D,
+        num_heads=H,
+        num_kv_heads=hf.get("num_key_value_heads") or H,
+        dim_feedforward=hf["intermediate_size"],
+        activation="swiglu",
+        norm="rms",
+        layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        positional="rotary",
+        rope_theta=_rope_theta(hf, source),
+        max_positions=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        out_bias=kind != "qwen2" and bool(hf.get("attention_bias", False)),
+        ffn_bias=bool(hf.get("mlp_bias", False)),
+    )
 
 
 def config_to_hf(c: DecoderOnlyConfig) -> dict[str, Any]:

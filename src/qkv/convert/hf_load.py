@@ -14,7 +14,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from qkv.convert import hf_gpt2, hf_llama
+import qkv.convert.hf_gpt2 as hf_gpt2
+import qkv.convert.hf_llama as hf_llama
 from qkv.convert.hf_bert import load_bert
 from qkv.convert.hf_files import (
     check_against,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qkv.convert import hf_llama
+import qkv.convert.hf_llama as hf_llama
 from qkv.convert.hf_files import expand_rules, from_qkv, write_dir
 from qkv.models.decoder_only import DecoderOnlyLM
 
