@@ -133,7 +133,7 @@ def test_key_map_covers_every_model_key() -> None:
     assert mapped == model_keys
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
 def test_missing_file_is_named(good: tuple, tmp_path: Path, name: str) -> None:
     broken = _copy(good[0], tmp_path)
     (broken / name).unlink()
@@ -258,3 +258,18 @@ def test_unreadable_files(good: tuple, tmp_path: Path) -> None:
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="is not a readable safetensors file"):
         load_bert(broken)
+
+
+def test_weights_load_without_tokenizer_but_embed_still_needs_it(
+    good: tuple, tmp_path: Path
+) -> None:
+    root = _copy(good[0], tmp_path)
+    (root / "tokenizer.json").unlink()
+    model = load_bert(root)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids), good[1](ids).last_hidden_state, atol=1e-5, rtol=1.3e-6
+        )
+    with pytest.raises(FileNotFoundError, match=r"lacks tokenizer\.json"):
+        check_checkpoint_dir(root)

@@ -1,8 +1,9 @@
 """Hugging Face BERT checkpoints -> :class:`qkv.models.bert.BertEncoder`.
 
-A checkpoint directory holds ``config.json`` (sizes), ``model.safetensors`` (weights) and
-``tokenizer.json`` (the tokenizer, used by :mod:`qkv.apps.embed`). Weights are read with
-``safetensors`` only: a pickle (``pytorch_model.bin``) can run arbitrary code when loaded, so it is
+A checkpoint directory holds ``config.json`` (sizes), ``model.safetensors`` or its shards
+(weights, read by :mod:`qkv.convert.hf_files`) and, for :mod:`qkv.apps.embed` only,
+``tokenizer.json``. Weights are read with ``safetensors`` only: a pickle
+(``pytorch_model.bin``) can run arbitrary code when loaded, so it is
 refused, never opened.
 
 Every checkpoint key is accounted for by :data:`KEY_MAP` (``{}`` stands for the layer index), by
@@ -15,23 +16,30 @@ implies is an error that names the keys. Keys may carry the ``bert.`` prefix tha
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor
 
+from qkv.convert.hf_files import (
+    INDEX_FILE,
+    listing,
+    read_config,
+    read_headers,
+    read_tensors,
+    require_keys,
+    weight_files,
+)
 from qkv.models.bert import BertConfig, BertEncoder
 
 __all__ = [
     "IGNORED_PREFIXES",
     "KEY_MAP",
     "REQUIRED_FILES",
+    "WEIGHT_FILES",
     "bert_config_from_hf",
     "check_checkpoint_dir",
     "convert_bert_state_dict",
@@ -40,6 +48,9 @@ __all__ = [
 ]
 
 REQUIRED_FILES: tuple[str, ...] = ("config.json", "model.safetensors", "tokenizer.json")
+"""What ``qkv embed`` needs (weights and tokenizer)."""
+WEIGHT_FILES: tuple[str, ...] = ("config.json", "model.safetensors")
+"""What loading the weights needs (``model.safetensors`` may be sharded, with its index)."""
 
 KEY_MAP: dict[str, str] = {
     "embeddings.word_embeddings.weight": "embeddings.word_embeddings.weight",
@@ -82,11 +93,11 @@ _PATTERNS = [
     (re.compile("^" + re.escape(hf).replace(r"\{\}", r"(\d+)") + "$"), ours)
     for hf, ours in KEY_MAP.items()
 ]
-_SHOW = 12  # names listed per kind of problem in an error message
 
 
-def check_checkpoint_dir(path: str | Path) -> Path:
-    """Check that ``path`` is a directory holding :data:`REQUIRED_FILES`.
+def check_checkpoint_dir(path: str | Path, files: tuple[str, ...] = REQUIRED_FILES) -> Path:
+    """Check that ``path`` is a directory holding ``files`` (default :data:`REQUIRED_FILES`);
+    ``model.safetensors`` may be shards listed in ``model.safetensors.index.json``.
 
     Returns:
         The directory as a ``Path``.
@@ -98,20 +109,23 @@ def check_checkpoint_dir(path: str | Path) -> Path:
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
-    missing = [name for name in REQUIRED_FILES if not (root / name).is_file()]
+    sharded = (root / INDEX_FILE).is_file()
+    missing = [
+        name
+        for name in files
+        if not (root / name).is_file() and not (name == "model.safetensors" and sharded)
+    ]
     if missing:
         hint = ""
-        if "model.safetensors" in missing:
-            if (root / "model.safetensors.index.json").is_file():
-                hint = "; sharded checkpoints (model.safetensors.index.json) are not supported"
-            elif any(root.glob("*.bin")) or any(root.glob("*.pt")):
-                hint = (
-                    "; a pickle checkpoint (*.bin / *.pt) is there, but qkv reads safetensors "
-                    "only, since unpickling can run arbitrary code"
-                )
+        pickle = any(root.glob("*.bin")) or any(root.glob("*.pt"))
+        if "model.safetensors" in missing and pickle:
+            hint = (
+                "; a pickle checkpoint (*.bin / *.pt) is there, but qkv reads safetensors "
+                "only, since unpickling can run arbitrary code"
+            )
         raise FileNotFoundError(
             f"checkpoint directory {str(root)!r} lacks {', '.join(missing)} "
-            f"(a BERT checkpoint needs {', '.join(REQUIRED_FILES)}){hint}"
+            f"(it needs {', '.join(files)}){hint}"
         )
     return root
 
@@ -149,9 +163,7 @@ def bert_config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -
         "num_attention_heads",
         "intermediate_size",
     )
-    absent = [name for name in required if name not in hf]
-    if absent:
-        raise ValueError(f"{source} lacks {', '.join(absent)}")
+    require_keys(hf, required, source)
     optional = (
         "hidden_act",
         "hidden_dropout_prob",
@@ -166,11 +178,6 @@ def bert_config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -
         return BertConfig(**fields)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{source}: {err}") from None
-
-
-def _listing(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_SHOW])
-    return shown + (f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
 
 
 def _hf_name(ours: str) -> str:
@@ -265,15 +272,15 @@ def convert_bert_state_dict(
                 f" (layers {sorted(extra_layers)} lie beyond config.json's "
                 f"num_hidden_layers={config.num_hidden_layers})"
             )
-        problems.insert(0, f"{len(unknown)} unknown key(s){note}: {_listing(unknown)}")
+        problems.insert(0, f"{len(unknown)} unknown key(s){note}: {listing(unknown)}")
     if missing:
         named = sorted(_hf_name(k) for k in missing)
-        problems.append(f"{len(missing)} missing key(s): {_listing(named)}")
+        problems.append(f"{len(missing)} missing key(s): {listing(named)}")
     if misshaped:
         problems.append(
             f"{len(misshaped)} key(s) of another shape than config.json implies (check its "
             f"hidden_size, intermediate_size, vocab_size, max_position_embeddings, "
-            f"type_vocab_size): {_listing(misshaped)}"
+            f"type_vocab_size): {listing(misshaped)}"
         )
     if problems:
         raise ValueError("BERT checkpoint does not fit its config: " + "; ".join(problems))
@@ -294,20 +301,10 @@ def read_bert_checkpoint(
             by :func:`bert_config_from_hf` and :func:`convert_bert_state_dict`.
         TypeError: a weight that is not floating point.
     """
-    root = check_checkpoint_dir(path)
-    config_path = root / "config.json"
-    try:
-        hf = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path} is not valid JSON: {err}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{config_path} must hold a JSON object, got {type(hf).__name__}")
-    config = bert_config_from_hf(hf, source=str(config_path))
-    weights_path = root / "model.safetensors"
-    try:
-        tensors = load_file(weights_path)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{weights_path} is not a readable safetensors file: {err}") from None
+    root = check_checkpoint_dir(path, WEIGHT_FILES)
+    config = bert_config_from_hf(read_config(root), source=str(root / "config.json"))
+    headers = read_headers(weight_files(root))
+    tensors = read_tensors(headers, headers)
     state_dict, ignored = convert_bert_state_dict(tensors, config)
     return config, state_dict, ignored
 
@@ -322,7 +319,7 @@ def load_bert(
     """Load a Hugging Face BERT checkpoint directory into a :class:`BertEncoder` in eval mode.
 
     Args:
-        path: directory with ``config.json``, ``model.safetensors`` and ``tokenizer.json``.
+        path: directory with ``config.json`` and ``model.safetensors`` (or its shards).
         backend: attention backend of every layer (one of ``qkv.attention.BACKENDS``).
         device: where the parameters go.
         dtype: parameter dtype (checkpoint tensors are cast to it).

@@ -15,7 +15,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar, cast
 
 from qkv.checks import (
     check_bool,
@@ -40,6 +40,11 @@ __all__ = [
 ]
 
 _T = TypeVar("_T", bound=type)
+
+RopeLayout = Literal["half_split"]
+ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("half_split",)
+"""How rotary embeddings pair the head dims: ``"half_split"`` rotates ``(x[i], x[i + Dh/2])``
+(GPT-NeoX, Hugging Face Llama). Meta's interleaved pairs ``(x[2i], x[2i+1])`` are not built."""
 
 
 class ConfigDict:
@@ -119,6 +124,11 @@ class ModelConfig(ConfigDict):
         max_positions: the longest sequence the positions (and a default KV cache) cover.
         num_kv_heads: key/value heads for grouped-query attention (default H).
         tie_embeddings: the output head shares the (target) token embedding matrix.
+        qkv_bias: biases on the attention's query/key/value projections.
+        out_bias: a bias on the attention's output projection.
+        ffn_bias: biases in the feed-forward blocks.
+        rope_theta: the rotary wavelength base (``positional="rotary"``).
+        rope_layout: which head dims rotary embeddings rotate together (:data:`ROPE_LAYOUTS`).
 
     Raises:
         TypeError / ValueError: in ``__post_init__``, naming the first bad field and its value.
@@ -138,6 +148,11 @@ class ModelConfig(ConfigDict):
     max_positions: int = 512
     num_kv_heads: int | None = None
     tie_embeddings: bool = False
+    qkv_bias: bool = True
+    out_bias: bool = True
+    ffn_bias: bool = True
+    rope_theta: float = 10000.0
+    rope_layout: RopeLayout = "half_split"
 
     def __post_init__(self) -> None:
         for name in ("d_model", "num_heads", "dim_feedforward", "max_positions"):
@@ -169,8 +184,13 @@ class ModelConfig(ConfigDict):
                 f"positional='rotary' needs an even head width, got d_model / num_heads = "
                 f"{self.head_dim}"
             )
-        check_bool("norm_first", self.norm_first)
-        check_bool("tie_embeddings", self.tie_embeddings)
+        for name in ("norm_first", "tie_embeddings", "qkv_bias", "out_bias", "ffn_bias"):
+            check_bool(name, getattr(self, name))
+        theta = self.rope_theta
+        if not isinstance(theta, int | float) or isinstance(theta, bool) or not theta > 1:
+            raise ValueError(f"rope_theta must be a float > 1, got {theta!r}")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}")
 
     @property
     def head_dim(self) -> int:
@@ -200,6 +220,9 @@ class ModelConfig(ConfigDict):
             "layer_norm_eps": self.layer_norm_eps,
             "norm": self.norm,
             "num_kv_heads": self.num_kv_heads,
+            "qkv_bias": self.qkv_bias,
+            "out_bias": self.out_bias,
+            "ffn_bias": self.ffn_bias,
         }
 
 

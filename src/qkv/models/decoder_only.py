@@ -88,7 +88,9 @@ class DecoderOnlyLM(nn.Module):
         self.config = c
         D = c.d_model
         self.embed = nn.Embedding(c.vocab_size, D)
-        self.positional = make_positional(c.positional, D, c.num_heads, c.max_positions)
+        self.positional = make_positional(
+            c.positional, D, c.num_heads, c.max_positions, rope_theta=c.rope_theta
+        )
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = Encoder(
             [EncoderLayer(**c.layer_kwargs()) for _ in range(c.num_layers)],

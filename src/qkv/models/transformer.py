@@ -50,7 +50,9 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(D)
         self.src_embed = nn.Embedding(c.src_vocab_size, D)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
-        self.positional = make_positional(c.positional, D, c.num_heads, c.max_positions)
+        self.positional = make_positional(
+            c.positional, D, c.num_heads, c.max_positions, rope_theta=c.rope_theta
+        )
         self.embed_dropout = nn.Dropout(c.dropout)
         layer_kw = c.layer_kwargs()
         self.encoder = Encoder(

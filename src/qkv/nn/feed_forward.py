@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-Activation = Literal["relu", "gelu", "swiglu"]
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "swiglu")
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "swiglu")
 
 __all__ = ["ACTIVATIONS", "Activation", "FeedForward"]
 
@@ -24,7 +24,8 @@ class FeedForward(nn.Module):
         d_model: D.
         dim_feedforward: F, the inner width.
         activation: ``"relu"`` (the original Transformer), ``"gelu"`` (exact erf form, as in
-            BERT and ``nn.Transformer(activation="gelu")``) or ``"swiglu"`` (LLaMA).
+            BERT and ``nn.Transformer(activation="gelu")``), ``"gelu_tanh"`` (the tanh
+            approximation, GPT-2's ``gelu_new``) or ``"swiglu"`` (LLaMA).
         dropout: dropout on the inner activation (``nn.TransformerEncoderLayer`` puts one here).
         bias: biases on the linear layers.
         device: parameter device.
@@ -70,6 +71,8 @@ class FeedForward(nn.Module):
             h = F.silu(self.gate(x)) * h  # [B, T, F]
         elif self.activation == "gelu":
             h = F.gelu(h)  # [B, T, F]
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")  # [B, T, F]
         else:
             h = F.relu(h)  # [B, T, F]
         return self.fc2(self.dropout(h))  # [B, T, D]

@@ -54,6 +54,9 @@ class _Layer(nn.Module):
         bias: biases in the linear layers.
         batch_first: inputs are ``[B, L, D]`` (True) or ``[L, B, D]`` (False, PyTorch's
             default; qkv's is True).
+        qkv_bias: biases on the attention's query/key/value projections (default ``bias``).
+        out_bias: a bias on the attention's output projection (default ``bias``).
+        ffn_bias: biases in the feed-forward block (default ``bias``).
         device: parameter device.
         dtype: parameter dtype.
     """
@@ -78,6 +81,9 @@ class _Layer(nn.Module):
         num_kv_heads: int | None = None,
         bias: bool = True,
         batch_first: bool = True,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        ffn_bias: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -87,6 +93,8 @@ class _Layer(nn.Module):
         attn_kw: dict[str, Any] = {
             "num_kv_heads": num_kv_heads,
             "bias": bias,
+            "qkv_bias": qkv_bias,
+            "out_bias": out_bias,
             "dropout": dropout,
             "batch_first": batch_first,
             **factory,
@@ -94,7 +102,8 @@ class _Layer(nn.Module):
         self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
         if self._cross:
             self.cross_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)
-        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=bias, **factory)
+        ffn_b = bias if ffn_bias is None else ffn_bias
+        self.ffn = FeedForward(d_model, dim_feedforward, activation, dropout, bias=ffn_b, **factory)
         sublayers = 3 if self._cross else 2
         for i in range(1, sublayers + 1):
             setattr(self, f"norm{i}", make_norm(norm, d_model, layer_norm_eps, **factory))

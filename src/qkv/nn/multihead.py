@@ -113,6 +113,9 @@ class MultiHeadAttention(nn.Module):
         kdim: width of the key input (cross-attention from a source of another width).
         vdim: width of the value input.
         batch_first: inputs are ``[B, T, D]`` (True, the default) or ``[T, B, D]`` (False).
+        qkv_bias: biases on the query/key/value projections only (default ``bias``; Qwen2 has
+            them without an output bias).
+        out_bias: a bias on the output projection (default ``bias``).
         device: parameter device.
         dtype: parameter dtype.
         num_kv_heads: Hkv for grouped-query (``1``: multi-query) attention; must divide
@@ -154,6 +157,8 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         num_kv_heads: int | None = None,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
         backend: Backend = "auto",
     ) -> None:
         super().__init__()
@@ -192,10 +197,12 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         self.batch_first = check_bool("batch_first", batch_first)
         kv_width = num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias, **factory)
-        self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        in_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=in_bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, kv_width, bias=in_bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, kv_width, bias=in_bias, **factory)
+        out_b = bias if out_bias is None else out_bias
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_b, **factory)
         self.record_weights = False
         self.backend: Backend = backend
         self.last_weights: Tensor | None = None

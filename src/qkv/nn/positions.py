@@ -35,7 +35,12 @@ class LayerPositions:
 
 
 def make_positional(
-    kind: Positional, d_model: int, num_heads: int, max_positions: int
+    kind: Positional,
+    d_model: int,
+    num_heads: int,
+    max_positions: int,
+    *,
+    rope_theta: float = 10000.0,
 ) -> nn.Module | None:
     """The module for ``positional=kind``, or None for ``"none"``.
 
@@ -44,6 +49,7 @@ def make_positional(
         d_model: D.
         num_heads: H (rotary tables are per head width, ALiBi slopes per head).
         max_positions: the longest sequence the tables cover.
+        rope_theta: the rotary wavelength base (``"rotary"`` only).
 
     Returns:
         The positional module, or None.
@@ -56,7 +62,7 @@ def make_positional(
     if kind == "learned":
         return LearnedPositionalEmbedding(d_model, max_positions)
     if kind == "rotary":
-        return RotaryEmbedding(d_model // num_heads, max_positions)
+        return RotaryEmbedding(d_model // num_heads, max_positions, base=rope_theta)
     if kind == "alibi":
         return ALiBi(num_heads)
     if kind == "none":

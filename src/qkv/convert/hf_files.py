@@ -1,0 +1,328 @@
+"""Reading and writing Hugging Face ``save_pretrained`` directories, shared by every HF converter.
+
+A directory holds ``config.json`` and the weights as ``model.safetensors`` or as shards
+``model-0000x-of-0000y.safetensors`` listed in ``model.safetensors.index.json``. Only
+safetensors are read: a pickle (``pytorch_model.bin``) can run arbitrary code when loaded, so it
+is refused, never opened. Headers (names, shapes, dtypes) are read first and checked against
+what the config implies; tensors are allocated only once everything fits.
+
+A converter describes its weights as :class:`Rule` s: one Hugging Face key (``{}`` = layer index)
+and the qkv key(s) it becomes, copied, transposed (GPT-2's ``Conv1D``), or split into equal parts
+along the output dim (GPT-2's fused ``c_attn``). The same rules run both ways.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from qkv.models.config import DecoderOnlyConfig
+
+__all__ = [
+    "INDEX_FILE",
+    "WEIGHTS_FILE",
+    "Header",
+    "Rule",
+    "check_against",
+    "decoder_config",
+    "expand_rules",
+    "from_qkv",
+    "listing",
+    "read_config",
+    "read_headers",
+    "read_tensors",
+    "require_keys",
+    "to_qkv",
+    "weight_files",
+    "write_dir",
+]
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHOW = 12  # names listed per kind of problem in an error message
+
+Kind = Literal["copy", "t", "split", "split_t"]
+
+
+@dataclass(frozen=True)
+class Header:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    file: Path
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Hugging Face weight and the qkv weight(s) it becomes.
+
+    Attributes:
+        hf: the Hugging Face key; ``{}`` stands for the layer index.
+        ours: the qkv key(s), with the same placeholder; more than one only for ``split*``.
+        kind: ``"copy"``; ``"t"`` (stored transposed, ``[in, out]``); ``"split"`` (the HF
+            tensor is the qkv ones concatenated along dim 0); ``"split_t"`` (concatenated along
+            the last dim of the transposed tensors: GPT-2's ``c_attn``).
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    kind: Kind = "copy"
+
+
+def read_config(root: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``root``.
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: not valid JSON, or not a JSON object.
+    """
+    path = root / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(root)!r} has no config.json (not a save_pretrained dir)")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def require_keys(hf: Mapping[str, Any], keys: Iterable[str], source: str) -> None:
+    """Raise ``ValueError`` naming every key of ``keys`` that ``hf`` lacks."""
+    absent = [k for k in keys if k not in hf]
+    if absent:
+        raise ValueError(f"{source} lacks {', '.join(absent)}")
+
+
+def decoder_config(
+    hf: Mapping[str, Any], source: str, problems: list[str], **fields: Any
+) -> DecoderOnlyConfig:
+    """A pre-norm, dropout-free :class:`DecoderOnlyConfig` from a HF config's ``fields``.
+
+    Args:
+        hf: the parsed ``config.json`` (its ``vocab_size``, ``model_type``, ``eos_token_id``).
+        source: where it came from, for the messages.
+        problems: the unsupported options found, each named with its value.
+        fields: the remaining :class:`DecoderOnlyConfig` fields.
+
+    Raises:
+        ValueError: ``problems`` is not empty, or the config rejects a value.
+    """
+    if problems:
+        raise ValueError(
+            f"{source}: unsupported {hf.get('model_type')} options: " + "; ".join(problems)
+        )
+    V, eos = hf["vocab_size"], hf.get("eos_token_id")
+    try:
+        return DecoderOnlyConfig(
+            V,
+            dropout=0.0,
+            norm_first=True,
+            eos_id=eos if isinstance(eos, int) and 0 <= eos < V else None,
+            **fields,
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors file(s) of ``root``: ``model.safetensors``, or the shards of the index.
+
+    Raises:
+        FileNotFoundError: neither is there (the message says why a pickle found instead is not
+            read), or the index names a shard that is missing.
+        ValueError: an index that is not ``{"weight_map": {key: file}}``.
+    """
+    if (root / WEIGHTS_FILE).is_file():
+        return [root / WEIGHTS_FILE]
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a safetensors index: {err!r}") from None
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
+        return [root / n for n in names]
+    hint = ""
+    if any(root.glob("*.bin")) or any(root.glob("*.pt")):
+        hint = (
+            "; a pickle checkpoint (*.bin / *.pt) is there, but qkv reads safetensors only, since "
+            "unpickling can run arbitrary code"
+        )
+    raise FileNotFoundError(f"{str(root)!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+
+
+def read_headers(files: Iterable[Path]) -> dict[str, Header]:
+    """Every tensor's name, shape and dtype, read from the headers without loading data.
+
+    Raises:
+        ValueError: an unreadable file, or one key in two shards.
+    """
+    out: dict[str, Header] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                    if key in out:
+                        raise ValueError(f"{key} is in both {out[key].file} and {f}")
+                    part = handle.get_slice(key)
+                    out[key] = Header(tuple(part.get_shape()), str(part.get_dtype()), f)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{f} is not a readable safetensors file: {err}") from None
+    return out
+
+
+def read_tensors(headers: Mapping[str, Header], keys: Iterable[str]) -> dict[str, Tensor]:
+    """Load the tensors ``keys`` (each file opened once)."""
+    by_file: dict[Path, list[str]] = {}
+    for k in keys:
+        by_file.setdefault(headers[k].file, []).append(k)
+    out: dict[str, Tensor] = {}
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as handle:
+            for k in names:
+                out[k] = handle.get_tensor(k)
+    return out
+
+
+def expand_rules(rules: Iterable[Rule], num_layers: int) -> list[Rule]:
+    """The rules with ``{}`` replaced by each layer index ``0 .. num_layers - 1``."""
+    out: list[Rule] = []
+    for r in rules:
+        if "{}" not in r.hf:
+            out.append(r)
+            continue
+        for i in range(num_layers):
+            out.append(Rule(r.hf.format(i), tuple(o.format(i) for o in r.ours), r.kind))
+    return out
+
+
+def _hf_shape(rule: Rule, ours: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+    shapes = [ours[o] for o in rule.ours]
+    if rule.kind == "copy":
+        return shapes[0]
+    if rule.kind == "t":
+        return tuple(reversed(shapes[0]))
+    rows = sum(s[0] for s in shapes)
+    if rule.kind == "split":
+        return (rows, *shapes[0][1:])
+    return (*reversed(shapes[0][1:]), rows)  # split_t: [in, sum(out)] (or [sum] for biases)
+
+
+def listing(keys: list[str]) -> str:
+    """The first names of ``keys``, and how many more."""
+    shown = ", ".join(keys[:_SHOW])
+    return shown + (f" ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
+
+
+def check_against(
+    what: str,
+    headers: Mapping[str, Header],
+    rules: list[Rule],
+    ours: Mapping[str, tuple[int, ...]],
+    ignored: Mapping[str, str],
+) -> dict[str, str]:
+    """Check a checkpoint's headers against the shapes its config implies, before loading.
+
+    Args:
+        what: the checkpoint, for the message (e.g. ``"Llama checkpoint /path"``).
+        headers: from :func:`read_headers`, keys already without a task prefix.
+        rules: expanded with :func:`expand_rules`.
+        ours: qkv key -> shape, of the model the config describes.
+        ignored: key suffix -> the reason such a key is not needed (e.g. ``"attn.masked_bias"``).
+
+    Returns:
+        Each ignored checkpoint key with its reason.
+
+    Raises:
+        ValueError: one message naming every unknown, missing and mis-shaped key, and every
+            weight that is not floating point.
+    """
+    expected = {r.hf: _hf_shape(r, ours) for r in rules}
+    skipped: dict[str, str] = {}
+    unknown, misshaped, not_float = [], [], []
+    for key in sorted(headers):
+        reason = next((why for end, why in ignored.items() if key.endswith(end)), None)
+        if key not in expected and reason is not None:
+            skipped[key] = reason
+        elif key not in expected:
+            unknown.append(key)
+        elif headers[key].shape != expected[key]:
+            misshaped.append(
+                f"{key} has shape {list(headers[key].shape)}, expected {list(expected[key])}"
+            )
+        elif headers[key].dtype not in ("F16", "BF16", "F32", "F64"):
+            not_float.append(f"{key} ({headers[key].dtype})")
+    missing = sorted(set(expected) - set(headers))
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} unknown key(s): {listing(unknown)}")
+    if missing:
+        problems.append(f"{len(missing)} missing key(s): {listing(missing)}")
+    if misshaped:
+        problems.append(
+            f"{len(misshaped)} key(s) of another shape than config.json implies: "
+            f"{listing(misshaped)}"
+        )
+    if not_float:
+        problems.append(f"weights that are not floating point: {listing(not_float)}")
+    if problems:
+        raise ValueError(f"{what} does not fit its config: " + "; ".join(problems))
+    return skipped
+
+
+def to_qkv(rules: list[Rule], tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Hugging Face tensors (already checked) -> qkv state-dict entries."""
+    out: dict[str, Tensor] = {}
+    for r in rules:
+        t = tensors[r.hf]
+        if r.kind == "copy":
+            out[r.ours[0]] = t
+        elif r.kind == "t":
+            out[r.ours[0]] = t.t().contiguous()  # [out, in]
+        else:
+            dim = 0 if r.kind == "split" else -1
+            for name, part in zip(r.ours, t.chunk(len(r.ours), dim=dim), strict=True):
+                out[name] = part.t().contiguous() if part.dim() == 2 and dim == -1 else part
+    return out
+
+
+def from_qkv(rules: list[Rule], state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """qkv state-dict entries -> Hugging Face tensors (the inverse of :func:`to_qkv`)."""
+    out: dict[str, Tensor] = {}
+    for r in rules:
+        parts = [state_dict[o].detach() for o in r.ours]
+        if r.kind == "copy":
+            out[r.hf] = parts[0].contiguous()
+        elif r.kind == "t":
+            out[r.hf] = parts[0].t().contiguous()  # [in, out]
+        elif r.kind == "split":
+            out[r.hf] = torch.cat(parts, dim=0)
+        else:
+            out[r.hf] = torch.cat([p.t() if p.dim() == 2 else p for p in parts], dim=-1)
+    return out
+
+
+def write_dir(root: Path, config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` into ``root`` (created if needed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(root / WEIGHTS_FILE),
+        metadata={"format": "pt"},
+    )
+    return root
