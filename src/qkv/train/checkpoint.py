@@ -573,13 +573,48 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> Non
         if not idx.isdigit():
             raise CheckpointError(f"optimizer state in {ckpt.path}: state index {idx!r}")
         state.setdefault(int(idx), {}).update(scalars)
-    groups = []
-    for g in ckpt.optimizer_json["param_groups"]:
-        g = dict(g)
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
+    saved = ckpt.optimizer_json["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"optimizer state in {ckpt.path}: {len(saved)} param groups, the optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    groups = [
+        _group_like(g, now, ckpt.path) for g, now in zip(saved, optimizer.param_groups, strict=True)
+    ]
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"optimizer state in {ckpt.path} does not fit: {err!r}") from None
+
+
+def _group_like(saved: dict[str, Any], current: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A saved param group whose hyperparameters have the types of the optimizer's own (JSON
+    turns tuples into lists), so that a malformed one fails here, not in the first step."""
+
+    def kind(v: Any) -> str:
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return type(v).__name__
+        if isinstance(v, int | float):
+            return "number"
+        if isinstance(v, tuple | list):
+            return f"sequence of {len(v)} " + ",".join(kind(x) for x in v)
+        return type(v).__name__
+
+    group = dict(saved)
+    if set(group) != set(current):
+        raise CheckpointError(
+            f"optimizer state in {where}: param group keys {sorted(group)}, the optimizer "
+            f"has {sorted(current)}"
+        )
+    for key, now in current.items():
+        if key == "params":
+            continue
+        if kind(group[key]) != kind(now):
+            raise CheckpointError(
+                f"optimizer state in {where}: param group {key!r} is {group[key]!r}, expected "
+                f"a {kind(now)}"
+            )
+        if isinstance(now, tuple):
+            group[key] = tuple(group[key])
+    return group
