@@ -24,7 +24,8 @@ import pytest
 
 README = Path(__file__).parents[1] / "README.md"
 _BLOCK = re.compile(
-    r"(?P<marker><!-- readme-test: skip(?P<why>[^>]*)-->\s*\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```",
+    r"(?P<marker><!-- readme-test: skip(?P<why>[^>]*)-->\s*\n)?"
+    r"^```(?P<lang>\w*)\n(?P<body>.*?)^```",
     re.M | re.S,
 )
 _RUN = ("python", "bash", "console")

@@ -18,25 +18,10 @@ import pytest
 from qkv.apps.cli import build_parser, main
 from qkv.train.checkpoint import load_checkpoint
 
-TINY = [
-    "--max-len",
-    "5",
-    "--d-model",
-    "16",
-    "--num-heads",
-    "2",
-    "--num-layers",
-    "1",
-    "--dim-feedforward",
-    "32",
-    "--batch-size",
-    "8",
-    "--eval-every",
-    "5",
-    "--eval-size",
-    "4",
-    "--no-progress",
-]
+TINY = shlex.split(
+    "--max-len 5 --d-model 16 --num-heads 2 --num-layers 1 --dim-feedforward 32 "
+    "--batch-size 8 --eval-every 5 --eval-size 4 --no-progress"
+)
 QKV = [sys.executable, "-m", "qkv"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
