@@ -14,6 +14,11 @@ def test_table_has_every_case_side_by_side() -> None:
         assert (r.ratio is None) == (r.backend == "torch SDPA")
     table = format_table(rows, mm, mem)
     assert "qkv blockwise" in table and "peak memory" in table
+    # the memory line never claims less than the output itself holds (it said 0.0 MB before)
+    L = 16384 // 64
+    line = next(m for m in mem if "qkv blockwise" in m)
+    assert f"at least {8 * L * 64 * 4 / 2**20:.1f} MB (the output alone)" in line
+    assert "lower bound" in "\n".join(mem)
 
 
 def test_cli_has_bench() -> None:

@@ -72,8 +72,12 @@ def test_shapes_follow_the_computation_for_other_sizes() -> None:
 
 
 def test_shapes_rejects_non_positive_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["shapes", "--T", "0"]) == 2
-    assert "sizes must be positive, got {'T': 0}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # refused by the flag's type, before tracing
+        main(["shapes", "--T", "0"])
+    assert exit_.value.code == 2
+    assert "argument --T: expected an int >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"sizes must be positive, got \{'T': 0\}"):
+        trace_attention_shapes(2, 4, 0, 5, 8, 6)
 
 
 def test_installed_script() -> None:

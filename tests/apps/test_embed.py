@@ -144,7 +144,7 @@ def test_missing_tokenizer(tmp_path, embedder: SentenceEmbedder) -> None:
 
 def test_cli_reports_a_missing_model(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["embed", "hello", "--model", str(tmp_path)]) == 2
-    assert "lacks config.json, model.safetensors, tokenizer.json" in capsys.readouterr().out
+    assert "lacks config.json, model.safetensors, tokenizer.json" in capsys.readouterr().err
 
 
 def test_qkv_embed_end_to_end(embedder: SentenceEmbedder) -> None:

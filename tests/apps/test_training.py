@@ -53,7 +53,7 @@ def test_train_prints_a_summary_and_writes_a_checkpoint(
     assert (checkpoint / "config.json").is_file()
     assert len(list(checkpoint.glob("*.safetensors"))) == 2
     assert main([*TRAIN, "--out", str(checkpoint)]) == 2  # refuses to overwrite silently
-    assert "--resume" in capsys.readouterr().out
+    assert "--resume" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("beam", ["1", "3"])
@@ -100,7 +100,7 @@ def test_cli_refuses_pickles_and_mismatched_configs(
     evil = tmp_path / "model.pt"
     evil.write_bytes(pickle.dumps({"x": 1}))
     assert main(["generate", str(evil), "abc"]) == 2
-    assert "pickle" in capsys.readouterr().out
+    assert "pickle" in capsys.readouterr().err
     edited = tmp_path / "edited"
     edited.mkdir()
     for f in checkpoint.iterdir():
@@ -109,11 +109,11 @@ def test_cli_refuses_pickles_and_mismatched_configs(
     manifest["model_config"]["dim_feedforward"] = 48
     (edited / "config.json").write_text(json.dumps(manifest))
     assert main(["generate", str(edited), "abc"]) == 2
-    message = capsys.readouterr().out
+    message = capsys.readouterr().err
     assert "config/weights mismatch" in message and "ffn.fc1.weight" in message
     assert "(32, 16)" in message and "(48, 16)" in message
     assert main(["generate", str(checkpoint), "xyz"]) == 2
-    assert "'x' at position 0" in capsys.readouterr().out
+    assert "'x' at position 0" in capsys.readouterr().err
 
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "qkv_0_1"

@@ -5,8 +5,15 @@ through :func:`main` too)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import os
+import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from pathlib import Path
+
+import torch
 
 from qkv.apps.bench import format_table, run_benchmarks
 from qkv.apps.demo import print_demo, run_demo
@@ -14,7 +21,8 @@ from qkv.apps.embed import embed, format_embed
 from qkv.apps.shapes import trace_attention_shapes, trace_model_shapes
 from qkv.apps.training import run_generate, run_train
 from qkv.apps.viz import KINDS, run_plot
-from qkv.train.config import SCHEDULES, TASKS, TrainConfig
+from qkv.functional import BACKENDS
+from qkv.train.config import POSITIONALS, SCHEDULES, TASKS, TrainConfig
 
 __all__ = [
     "add_bench_arguments",
@@ -25,49 +33,155 @@ __all__ = [
     "main",
 ]
 
+# The help of each TrainConfig field is its line in TrainConfig's docstring (one source).
+_FIELD_DOC = re.compile(r"^ {8}(\w+): (.+?)(?=^ {8}\w+: |^\s*$)", re.M | re.S)
 _TRAIN_HELP = {
-    "task": "built-in task",
-    "steps": "optimizer steps of the whole run",
-    "batch_size": "global batch (split across torchrun processes)",
-    "lr": "peak learning rate",
-    "schedule": "after warmup: " + " | ".join(SCHEDULES),
-    "eval_every": "held-out evaluation every N steps",
-    "seed": "seeds weights, data and dropout (bit-for-bit reproducible)",
-    "label_smoothing": "cross-entropy label smoothing",
-    "grad_clip": "clip the gradient norm (0: off)",
+    name: " ".join(text.split()).rstrip(".").replace("``", "")
+    for name, text in _FIELD_DOC.findall((TrainConfig.__doc__ or "").split("Attributes:")[1])
 }
-_CHOICES: dict[str, tuple[str, ...]] = {"task": TASKS, "schedule": SCHEDULES}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "task": TASKS,
+    "schedule": SCHEDULES,
+    "positional": POSITIONALS,
+}
+# The largest --length of `qkv plot --positional`: a table of more rows is no picture.
+MAX_PLOT_POSITIONS = 100_000
 
 # Measured on the 2-core machine shared with other jobs: the default reverse model trains 7-15x
 # faster on 1 thread than on 2 (tiny matmuls gain nothing from intra-op threads and lose to
 # their synchronisation). Scale out with torchrun processes instead.
-_THREADS_HELP = "torch CPU threads per process (default 1: fastest for these small models)"
+_THREADS_HELP = "torch CPU threads per process (1 is fastest for these small models)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit 2), no usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after every help line that has one; the epilog's examples as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        if "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _int_at_least(lowest: int, highest: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < lowest or (highest is not None and value > highest):
+            bound = f">= {lowest}" if highest is None else f"in [{lowest}, {highest}]"
+            raise argparse.ArgumentTypeError(f"expected an int {bound}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lowest}"
+    return parse
+
+
+_positive = _int_at_least(1)
+_nonnegative = _int_at_least(0)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _accuracy(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
+def _text_file(text: str) -> str:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, expected a UTF-8 text file")
+    if path.is_symlink() and not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} is a dangling symbolic link")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _device(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
+    return text
+
+
+def _kind(text: str) -> str:
+    """``encoder-self`` (or the old ``"encoder self"``) -> the plot's kind name."""
+    for kind in KINDS:
+        if text in (kind, kind.replace(" ", "-")):
+            return kind
+    raise argparse.ArgumentTypeError(
+        f"expected one of {', '.join(k.replace(' ', '-') for k in KINDS)}, got {text!r}"
+    )
+
+
+def _hidden_alias(p: argparse.ArgumentParser, flag: str, dest: str, **kwargs: object) -> None:
+    """An old spelling that still parses but is not shown in ``--help``."""
+    p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=1, help=_THREADS_HELP)
+    p.add_argument("--threads", type=_positive, default=1, help=_THREADS_HELP)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv demo [--seed N]``."""
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
+# new flag, old (hidden) spelling, dest, default, help
+_SHAPE_FLAGS = (
+    ("--batch", "--B", "B", 2, "batch size B"),
+    ("--heads", "--H", "H", 4, "attention heads H"),
+    ("--query-len", "--T", "T", 3, "query length T"),
+    ("--key-len", "--S", "S", 5, "key length S"),
+    ("--head-dim", "--Dh", "Dh", 8, "query/key width per head Dh"),
+    ("--value-dim", "--Dv", "Dv", 6, "value width per head Dv (attention only)"),
+)
 
 
 def add_shapes_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv shapes [--B N] ... [--model [--layers N]]``."""
-    for name, default in (("B", 2), ("H", 4), ("T", 3), ("S", 5), ("Dh", 8), ("Dv", 6)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    """``qkv shapes [--batch N] [--heads N] ... [--model [--layers N]]``."""
+    for flag, old, dest, default, help_text in _SHAPE_FLAGS:
+        p.add_argument(flag, dest=dest, type=_positive, default=default, help=help_text)
+        _hidden_alias(p, old, dest, type=_positive)
     p.add_argument(
         "--model", action="store_true", help="trace a small encoder-decoder Transformer instead"
     )
-    p.add_argument("--layers", type=int, default=2, help="layers per stack with --model")
+    p.add_argument("--layers", type=_positive, default=2, help="layers per stack with --model")
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv embed SENTENCE... [--model DIR] [--backend NAME]``."""
     p.add_argument("sentences", nargs="+", help="the sentences to embed")
-    p.add_argument("--model", default=None, help="BERT checkpoint directory (default MiniLM)")
-    p.add_argument("--backend", default="auto", help="attention backend")
+    p.add_argument(
+        "--model", default=None, help="BERT checkpoint directory (default: all-MiniLM-L6-v2)"
+    )
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention backend")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,30 +192,37 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                 "--text",
                 dest="text_path",
                 metavar="FILE",
+                type=_text_file,
                 default=None,
                 help="UTF-8 file: character-level language model (implies --task text)",
             )
             continue
-        help_text = _TRAIN_HELP.get(f.name, f.name.replace("_", " "))
         p.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             default=f.default,
             type=type(f.default),
             choices=_CHOICES.get(f.name),
-            help=f"{help_text} (default {f.default})",
+            help=_TRAIN_HELP[f.name],
         )
-    p.add_argument("--out", default=None, help="checkpoint directory (default runs/TASK)")
+    p.add_argument("--out", default=None, help="checkpoint directory (default: runs/TASK)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint in --out")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument(
-        "--stop-after", type=int, help="stop (and save) at this step; the schedule spans --steps"
+        "--save-every",
+        type=_nonnegative,
+        default=0,
+        help="also checkpoint every N steps (0: only at the end)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=_positive,
+        help="stop (and save) at this step; the schedule spans --steps",
     )
     p.add_argument(
         "--target-accuracy",
-        type=float,
-        help="stop at the first evaluation reaching this held-out accuracy (0-1)",
+        type=_accuracy,
+        help="stop at the first evaluation reaching this held-out accuracy, in (0, 1]",
     )
     _add_threads(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -111,12 +232,19 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv generate CHECKPOINT INPUT [--beam N] ...``."""
     p.add_argument("checkpoint", help="checkpoint directory (from qkv train)")
     p.add_argument("input", help="the input sequence (or the prompt of a text model)")
-    p.add_argument("--beam", type=int, default=1, help="beam width (1: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--beam", type=_positive, default=1, help="beam width (1: greedy)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive,
+        default=None,
+        help="most tokens to generate (default: the task's longest output)",
+    )
     p.add_argument("--sample", action="store_true", help="text models: sample, not argmax")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=_positive_float, default=1.0, help="--sample: temperature")
+    p.add_argument(
+        "--top-k", type=_positive, default=None, help="--sample: only the k likeliest tokens"
+    )
+    p.add_argument("--seed", type=int, default=0, help="--sample: seed of the sampler")
     _add_threads(p)
 
 
@@ -124,19 +252,20 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv plot CHECKPOINT INPUT -o attn.png`` or ``qkv plot CHECKPOINT --positional``."""
     p.add_argument("checkpoint", help="checkpoint directory (from qkv train)")
     p.add_argument("input", nargs="?", default=None, help="the input to decode and look at")
-    p.add_argument("-o", "--output", default="attn.png", help="PNG path (default attn.png)")
+    p.add_argument("-o", "--output", default="attn.png", help="PNG path")
     p.add_argument(
         "--kind",
         action="append",
-        choices=KINDS,
-        help="only these attention kinds (repeatable; default all)",
+        type=_kind,
+        metavar="{" + ",".join(k.replace(" ", "-") for k in KINDS) + "}",
+        help="only these attention kinds (repeatable; default: all)",
     )
     p.add_argument(
         "--positional", action="store_true", help="plot the sinusoidal positional encoding instead"
     )
     p.add_argument(
         "--length",
-        type=int,
+        type=_int_at_least(1, MAX_PLOT_POSITIONS),
         help="--positional: positions to draw (default: the model's max_positions)",
     )
     _add_threads(p)
@@ -144,10 +273,14 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N]``."""
-    p.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per entry")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quick", action="store_true", help="lengths / 8: a smoke run")
+    p.add_argument(
+        "--repeats", type=_positive, default=None, help="timed runs per entry (default 5, quick 2)"
+    )
+    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--threads", type=_positive, default=None, help="torch CPU threads (default: unchanged)"
+    )
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -175,12 +308,7 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
 
 
 def _cmd_embed(args: argparse.Namespace) -> int:
-    try:
-        result = embed(args.sentences, args.model, backend=args.backend)
-    except FileNotFoundError as err:
-        print(f"qkv embed: error: {err}")
-        return 2
-    print(format_embed(result))
+    print(format_embed(embed(args.sentences, args.model, backend=args.backend)))
     return 0
 
 
@@ -195,44 +323,117 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 _Adder = Callable[[argparse.ArgumentParser], None]
 _Handler = Callable[[argparse.Namespace], int]
 
-# name, help, the arguments, the handler
-_COMMANDS: tuple[tuple[str, str, _Adder, _Handler], ...] = (
-    ("demo", "masked multi-head attention, checked against PyTorch", add_demo_arguments, _cmd_demo),
+# name, one-line description, an example, the arguments, the handler
+_COMMANDS: tuple[tuple[str, str, str, _Adder, _Handler], ...] = (
+    (
+        "demo",
+        "masked multi-head attention, checked against PyTorch",
+        "qkv demo --seed 1",
+        add_demo_arguments,
+        _cmd_demo,
+    ),
     (
         "shapes",
         "print the shape of every attention intermediate",
+        "qkv shapes --batch 2 --heads 4 --query-len 3 --key-len 5\n  qkv shapes --model",
         add_shapes_arguments,
         _cmd_shapes,
     ),
-    ("embed", "sentence embeddings and their cosine similarities", add_embed_arguments, _cmd_embed),
-    ("train", "train a model on a built-in task (torchrun-ready)", add_train_arguments, run_train),
-    ("generate", "decode an input with a checkpoint", add_generate_arguments, run_generate),
-    ("plot", "attention heatmaps (or --positional) of a checkpoint", add_plot_arguments, run_plot),
-    ("bench", "time qkv's attention backends against torch SDPA", add_bench_arguments, _cmd_bench),
+    (
+        "embed",
+        "sentence embeddings and their cosine similarities",
+        'qkv embed "A cat sits." "A dog runs." --backend blockwise',
+        add_embed_arguments,
+        _cmd_embed,
+    ),
+    (
+        "train",
+        "train a model on a built-in task (torchrun-ready; Ctrl-C saves a resumable checkpoint)",
+        "qkv train --task reverse --steps 300 --out runs/reverse\n"
+        "  qkv train --task reverse --steps 600 --out runs/reverse --resume",
+        add_train_arguments,
+        run_train,
+    ),
+    (
+        "generate",
+        "decode an input with a checkpoint",
+        'qkv generate runs/reverse "abcdefg" --beam 3',
+        add_generate_arguments,
+        run_generate,
+    ),
+    (
+        "plot",
+        "attention heatmaps (or --positional) of a checkpoint",
+        'qkv plot runs/reverse "abcdefgh" -o attention.png --kind cross',
+        add_plot_arguments,
+        run_plot,
+    ),
+    (
+        "bench",
+        "time qkv's attention backends against torch SDPA",
+        "qkv bench --quick",
+        add_bench_arguments,
+        _cmd_bench,
+    ),
 )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("qkv")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser for every subcommand."""
-    parser = argparse.ArgumentParser(prog="qkv", description="Transformer attention you can trust")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, add_arguments, handler in _COMMANDS:
-        command = sub.add_parser(name, help=help_text)
+    parser = _Parser(
+        prog="qkv",
+        description="Transformer attention you can trust",
+        epilog="Run `qkv COMMAND --help` for a command's flags and an example.",
+    )
+    parser.add_argument("--version", action="version", version=f"qkv {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, example, add_arguments, handler in _COMMANDS:
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=f"example:\n  {example}",
+            formatter_class=_Formatter,
+        )
         add_arguments(command)
         command.set_defaults(func=handler)
     return parser
+
+
+def _fail(command: str, message: str, code: int = 2) -> int:
+    print(f"qkv {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qkv`` script.
 
     Returns:
-        The exit code: 0, or 2 after printing a ``ValueError``/``TypeError`` as ``qkv CMD:
-        error: ...``.
+        The exit code: 0; 2 after printing an error (bad input, a file that cannot be read or
+        written, a checkpoint that cannot be trusted) as one line ``qkv CMD: error: ...`` on
+        stderr, never a traceback; 130 / 143 after a training run stopped by SIGINT / SIGTERM
+        (it saves first); 130 for Ctrl-C elsewhere; 141 when stdout is a closed pipe
+        (``qkv ... | head``).
     """
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
+        return 141
+    except KeyboardInterrupt:
+        return _fail(args.command, "interrupted", 130)
     except (ValueError, TypeError) as err:
-        print(f"qkv {args.command}: error: {err}")
-        return 2
+        return _fail(args.command, str(err))
+    except OSError as err:
+        return _fail(args.command, f"{err.strerror or err}: {err.filename or ''}".rstrip(": "))

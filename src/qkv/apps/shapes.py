@@ -23,7 +23,10 @@ from qkv.models.config import TransformerConfig
 from qkv.models.transformer import Transformer
 from qkv.nn.multihead import MultiHeadAttention
 
-__all__ = ["trace_attention_shapes", "trace_model_shapes"]
+__all__ = ["MEMORY_BUDGET", "trace_attention_shapes", "trace_model_shapes"]
+
+MEMORY_BUDGET = 2**30
+"""Bytes the tracers may allocate (1 GiB): larger sizes are refused before anything is built."""
 
 
 class _CallRecorder(TorchFunctionMode):
@@ -56,10 +59,17 @@ def _first(calls: list[tuple[str, tuple[int, ...]]], names: set[str]) -> tuple[i
     )
 
 
-def _check_sizes(**sizes: int) -> None:
+def _check_sizes(estimate: int, **sizes: int) -> None:
+    """Positive sizes whose float32 tensors (``estimate`` elements in all) fit the budget."""
     bad = {k: v for k, v in sizes.items() if v < 1}
     if bad:
         raise ValueError(f"sizes must be positive, got {bad}")
+    if 4 * estimate > MEMORY_BUDGET:
+        raise ValueError(
+            f"sizes {sizes} need about {4 * estimate / 2**30:.1f} GiB of float32 tensors, more "
+            f"than the {MEMORY_BUDGET / 2**30:.0f} GiB qkv shapes allows; the shapes do not "
+            f"depend on the sizes' magnitude, so trace smaller ones"
+        )
 
 
 def trace_attention_shapes(
@@ -85,7 +95,10 @@ def trace_attention_shapes(
     Raises:
         ValueError: a non-positive size.
     """
-    _check_sizes(B=B, H=H, T=T, S=S, Dh=Dh, Dv=Dv)
+    # Q, K, V, the output, and ~4 [B, H, T, S] tensors (scores, mask, weights, a temporary)
+    _check_sizes(
+        B * H * (T * Dh + S * Dh + S * Dv + T * Dv + 4 * T * S), B=B, H=H, T=T, S=S, Dh=Dh, Dv=Dv
+    )
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, Dh, generator=gen)  # [B, H, T, Dh]
     k = torch.randn(B, H, S, Dh, generator=gen)  # [B, H, S, Dh]
@@ -138,7 +151,10 @@ def trace_model_shapes(
     Raises:
         ValueError: a non-positive size.
     """
-    _check_sizes(B=B, S=S, T=T, H=H, Dh=Dh, num_layers=num_layers)
+    D, L = H * Dh, max(S, T)
+    # weights (~16 D^2 per layer and stack) + per layer activations and [B, H, L, L] scores
+    estimate = num_layers * (32 * D * D + 2 * B * (16 * L * D + 4 * H * L * L))
+    _check_sizes(estimate, B=B, S=S, T=T, H=H, Dh=Dh, num_layers=num_layers)
     cfg = TransformerConfig(
         src_vocab_size=20,
         tgt_vocab_size=20,

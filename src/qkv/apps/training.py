@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import signal
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -18,7 +21,20 @@ from qkv.train.config import TrainConfig
 from qkv.train.inference import generate_text, load_trained
 from qkv.train.loop import RunOptions, train
 
-__all__ = ["run_generate", "run_train"]
+__all__ = ["resume_command", "run_generate", "run_train"]
+
+
+def resume_command(cfg: TrainConfig, out: Path) -> str:
+    """The ``qkv train`` command line that continues ``cfg``'s run from ``out``: every field
+    that differs from its default as a flag, then ``--out OUT --resume``."""
+    flags = []
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if value == f.default or (f.name == "task" and cfg.text_path is not None):
+            continue
+        flag = "--text" if f.name == "text_path" else "--" + f.name.replace("_", "-")
+        flags += [flag, str(value)]
+    return shlex.join(["qkv", "train", *flags, "--out", str(out), "--resume"])
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -39,8 +55,10 @@ def run_train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     result = train(cfg, opts)
+    # the shell's convention: 130 after SIGINT, 143 after SIGTERM
+    code = 0 if result.stopped_by is None else 128 + result.stopped_by
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+        return code
     world = int(os.environ.get("WORLD_SIZE", "1"))
     counted = "non-padding tokens" if cfg.task == "text" else "non-padding source + target"
     print(
@@ -59,7 +77,16 @@ def run_train(args: argparse.Namespace) -> int:
                 )
     if result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint.parent}")
-    return 0
+    if result.stopped_by is not None:
+        name = signal.Signals(result.stopped_by).name
+        saved = (
+            f"checkpoint of step {result.step} saved in {out}; continue with: "
+            f"{resume_command(cfg, out)}"
+            if result.checkpoint is not None
+            else "nothing was saved"
+        )
+        print(f"qkv train: stopped by {name} after step {result.step}; {saved}", file=sys.stderr)
+    return code
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +25,37 @@ if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
     from qkv.models.transformer import Transformer
 
-__all__ = ["beam_search", "greedy_encoder_decoder", "sample_decoder_only"]
+__all__ = ["beam_search", "check_beam_options", "greedy_encoder_decoder", "sample_decoder_only"]
+
+
+def check_beam_options(beam_size: object, length_penalty: object) -> tuple[int, float]:
+    """Accept a beam width (an int >= 1, not a bool) and a finite length penalty.
+
+    Returns:
+        ``(beam_size, float(length_penalty))``.
+
+    Raises:
+        TypeError: ``beam_size`` not an int (``True`` included), ``length_penalty`` not a number.
+        ValueError: ``beam_size < 1``, a NaN or infinite ``length_penalty``.
+    """
+    k = check_positive_int("beam_size", beam_size)
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float):
+        raise TypeError(
+            f"length_penalty must be a float, got {length_penalty!r} "
+            f"({type(length_penalty).__name__})"
+        )
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be finite, got {length_penalty}")
+    return k, float(length_penalty)
+
+
+def _check_eos(eos_id: object, vocab_size: int) -> None:
+    if eos_id is None:
+        return
+    if isinstance(eos_id, bool) or not isinstance(eos_id, int):
+        raise TypeError(f"eos_id must be an int or None, got {eos_id!r} ({type(eos_id).__name__})")
+    if not 0 <= eos_id < vocab_size:
+        raise ValueError(f"eos_id must lie in [0, vocab_size={vocab_size}), got {eos_id}")
 
 
 def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
@@ -80,13 +111,12 @@ def beam_search(
     can still reach (log-probabilities only fall as a beam grows).
 
     Raises:
-        ValueError: ``beam_size < 1`` or bad ``max_new_tokens``.
+        ValueError: ``beam_size < 1``, a non-finite ``length_penalty`` or bad ``max_new_tokens``.
+        TypeError: see :func:`check_beam_options`.
     """
     c = model.config
-    check_positive_int("beam_size", beam_size)
+    K, lp = check_beam_options(beam_size, length_penalty)
     n = _check_steps(max_new_tokens, 1, c.max_positions)
-    lp = float(length_penalty)
-    K = beam_size
     src_pad = model.source_padding(src, src_padding_mask)  # [B, S] or None
     B = src.shape[0]
     dev = src.device
@@ -172,6 +202,7 @@ def sample_decoder_only(
     """Greedy / temperature / top-k decoding; see :meth:`DecoderOnlyLM.generate`."""
     c = model.config
     check_ids("ids", ids, c.vocab_size, field="vocab_size")
+    _check_eos(eos_id, c.vocab_size)
     n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
     if not greedy and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from qkv.masks import padding_mask
 from qkv.models.config import TransformerConfig
-from qkv.models.generate import beam_search, greedy_encoder_decoder
+from qkv.models.generate import beam_search, check_beam_options, greedy_encoder_decoder
 from qkv.models.inputs import check_ids, key_padding, padding_from_ids, resolve_kv_cache
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import DecoderLayer, EncoderLayer
@@ -247,8 +247,11 @@ class Transformer(nn.Module):
             when produced; rows that finished early are right-padded with ``pad_id``.
 
         Raises:
-            ValueError: ``max_new_tokens`` < 1 or beyond ``max_positions - 1``, ``beam_size`` < 1.
+            ValueError: ``max_new_tokens`` < 1 or beyond ``max_positions - 1``, ``beam_size`` < 1,
+                a non-finite ``length_penalty``.
+            TypeError: a ``beam_size`` that is not an int (``True`` included).
         """
+        check_beam_options(beam_size, length_penalty)  # before `== 1`: True is not a width
         if beam_size == 1:
             return greedy_encoder_decoder(self, src, max_new_tokens, src_padding_mask)
         return beam_search(self, src, max_new_tokens, src_padding_mask, beam_size, length_penalty)

@@ -61,7 +61,7 @@ class TrainConfig:
         max_digits: operand digits (add).
         block_size: longest window (text).
         d_model: model width D.
-        num_heads: H.
+        num_heads: attention heads H.
         num_layers: encoder and decoder layers each (or the decoder-only model's layers).
         dim_feedforward: inner width of the feed-forward blocks.
         dropout: dropout everywhere in the model.

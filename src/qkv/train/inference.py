@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.models.registry import load_weights, model_from_config
-from qkv.train.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from qkv.train.checkpoint import Checkpoint, CheckpointError, build_model, load_checkpoint
 from qkv.train.task import DecodeOptions, Task
 from qkv.train.tasks import task_from_spec
 
@@ -25,12 +24,11 @@ def load_trained(path: str | Path) -> tuple[nn.Module, Task, Checkpoint]:
             mismatch naming the key and both shapes.
     """
     ckpt = load_checkpoint(path)
-    model = model_from_config(ckpt.model_type, ckpt.model_config)
     try:
-        load_weights(model, ckpt.weights, str(ckpt.path))  # maps qkv 0.1 keys, then strict
-    except ValueError as err:
-        raise CheckpointError(str(err)) from None
-    return model.eval(), task_from_spec(ckpt.task), ckpt
+        task = task_from_spec(ckpt.task)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{ckpt.path}: the task in config.json is invalid: {err}") from None
+    return build_model(ckpt).eval(), task, ckpt
 
 
 @dataclass(frozen=True)

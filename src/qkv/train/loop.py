@@ -5,22 +5,34 @@ several processes (see :mod:`qkv.train.distributed`).
 Reproducibility: the weights come from ``torch.manual_seed(seed)``, every batch is a function of
 ``(seed, step)``, and the torch RNG state (dropout) is saved with each checkpoint, so a run with
 the same config on the same machine is bit-for-bit the same, resumed or not.
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM lets the current step finish, saves a resumable checkpoint
+and returns with :attr:`TrainResult.stopped_by` set; a second signal stops at once. The output
+directory is checked, created and locked (:func:`qkv.train.checkpoint.directory_lock`) before the
+model is built, so a bad ``out`` or a concurrent writer is refused before any training.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from qkv.checks import check_bool, check_nonnegative_int, check_positive_int, check_probability
 from qkv.models.registry import load_weights, model_from_config
 from qkv.train.checkpoint import (
     CheckpointError,
+    directory_lock,
     load_checkpoint,
     restore_optimizer,
     save_checkpoint,
@@ -52,9 +64,15 @@ class RunOptions:
         save_every: also checkpoint every this many steps (0: only at the end).
         stop_after: stop once this step is reached (saving first), although the schedule spans
             ``TrainConfig.steps``; resume later with ``resume=True``.
-        target_accuracy: stop at the first evaluation reaching this held-out accuracy.
+        target_accuracy: stop at the first evaluation reaching this held-out accuracy, in
+            ``(0, 1]``.
         progress: show the tqdm bar (rank 0 only).
         log_evals: print a line per evaluation (rank 0 only).
+
+    Raises:
+        ValueError: a negative ``save_every``, a ``stop_after`` below 1, a ``target_accuracy``
+            outside ``(0, 1]``.
+        TypeError: a count that is not an int, a flag that is not a bool.
     """
 
     out: str | Path | None = None
@@ -65,6 +83,17 @@ class RunOptions:
     target_accuracy: float | None = None
     progress: bool = True
     log_evals: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("resume", "overwrite", "progress", "log_evals"):
+            check_bool(name, getattr(self, name))
+        check_nonnegative_int("save_every", self.save_every)
+        if self.stop_after is not None:
+            check_positive_int("stop_after", self.stop_after)
+        if self.target_accuracy is not None:
+            check_probability("target_accuracy", self.target_accuracy)
+            if self.target_accuracy == 0:
+                raise ValueError("target_accuracy must lie in (0, 1], got 0")
 
 
 @dataclass
@@ -80,6 +109,8 @@ class TrainResult:
         tokens_per_s: training tokens (non-padding source + target) per second, all processes.
         seconds: wall time of this invocation.
         checkpoint: the manifest written last, or None.
+        stopped_by: the signal (``signal.SIGINT`` / ``SIGTERM``) that stopped the run early,
+            after saving; None when it ran to its end.
     """
 
     model: nn.Module
@@ -89,6 +120,37 @@ class TrainResult:
     tokens_per_s: float = 0.0
     seconds: float = 0.0
     checkpoint: Path | None = None
+    stopped_by: int | None = None
+
+
+class _StopOnSignal:
+    """SIGINT / SIGTERM handlers that ask the loop to stop after the current step.
+
+    Installed only in the main thread (Python allows no other); the previous handlers come back
+    on exit. A second signal raises ``KeyboardInterrupt`` at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
+        self.received = signum
+
+    @contextmanager
+    def installed(self) -> Iterator[_StopOnSignal]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 @torch.no_grad()
@@ -147,7 +209,8 @@ def train(
     Raises:
         ValueError: bad options, an existing checkpoint without ``resume``/``overwrite``, or a
             ``resume`` whose config differs from the checkpoint's (the differing fields named).
-        CheckpointError: a checkpoint that cannot be trusted or does not fit.
+        CheckpointError: a checkpoint that cannot be trusted or does not fit, an ``out`` that
+            is a file or not writable, or one that another process is writing (locked).
     """
     opts = opts or RunOptions()
     out = None if opts.out is None else Path(opts.out)
@@ -155,7 +218,11 @@ def train(
         raise ValueError("resume needs a checkpoint directory (--out)")
     ctx = init_from_env()
     try:
-        return _train(cfg, opts, out, ctx, build_task(cfg) if task is None else task)
+        with ExitStack() as stack:
+            if out is not None and ctx.is_main:  # before anything is built or trained
+                stack.enter_context(directory_lock(out))
+            stop = stack.enter_context(_StopOnSignal().installed())
+            return _train(cfg, opts, out, ctx, build_task(cfg) if task is None else task, stop)
     finally:
         shutdown(ctx)
 
@@ -213,8 +280,24 @@ def _update(
     return float(all_reduce_sum(total.detach(), ctx)) / n_global
 
 
+def _stop_requested(stop: _StopOnSignal, ctx: DistContext) -> int | None:
+    """The signal that asked to stop, agreed by every process (the first rank's signal wins)."""
+    if not ctx.enabled:
+        return stop.received
+    got = torch.tensor([float(stop.received or 0)], dtype=torch.float64)  # [1]
+    seen = all_reduce_sum((got > 0).double(), ctx)
+    if float(seen[0]) == 0:
+        return None
+    return stop.received or int(signal.SIGTERM)
+
+
 def _train(
-    cfg: TrainConfig, opts: RunOptions, out: Path | None, ctx: DistContext, task: Task
+    cfg: TrainConfig,
+    opts: RunOptions,
+    out: Path | None,
+    ctx: DistContext,
+    task: Task,
+    stop: _StopOnSignal,
 ) -> TrainResult:
     if cfg.batch_size % ctx.world_size != 0:
         raise ValueError(
@@ -226,6 +309,11 @@ def _train(
     model = model_from_config(task.model_type, model_config)
     optimizer = build_optimizer(model, cfg)
     start = _start_step(cfg, opts, out, model, optimizer)
+    if opts.stop_after is not None and opts.stop_after <= start:
+        raise ValueError(
+            f"stop_after={opts.stop_after} is not beyond the checkpoint's step {start}: "
+            f"nothing would be trained"
+        )
     net = wrap_model(model, ctx)
     net.train()
     end = cfg.steps if opts.stop_after is None else min(cfg.steps, opts.stop_after)
@@ -281,6 +369,9 @@ def _train(
                 )
             if opts.target_accuracy is not None and acc >= opts.target_accuracy:
                 break
+        result.stopped_by = _stop_requested(stop, ctx)
+        if result.stopped_by is not None:
+            break
         if opts.save_every and result.step % opts.save_every == 0 and result.step != end:
             save()
     bar.close()
