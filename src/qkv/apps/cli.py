@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 
-from qkv.apps.bench import format_table, run_benchmarks
+from qkv.apps.bench import CASES, format_table, run_benchmarks
 from qkv.apps.demo import print_demo, run_demo
 from qkv.apps.embed import embed, format_embed
 from qkv.apps.shapes import trace_attention_shapes, trace_model_shapes
@@ -143,8 +143,11 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N]``."""
+    """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N] [--cases ...]
+    [--lengths ...]``."""
     p.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
+    p.add_argument("--cases", nargs="+", default=None, help=f"masks to run, of {list(CASES)}")
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="L values")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per entry")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -186,7 +189,12 @@ def _cmd_embed(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     rows, mm, mem = run_benchmarks(
-        quick=args.quick, repeats=args.repeats, device=args.device, threads=args.threads
+        quick=args.quick,
+        repeats=args.repeats,
+        device=args.device,
+        threads=args.threads,
+        cases=args.cases,
+        lengths=args.lengths,
     )
     print(format_table(rows, mm, mem))
     return 0
