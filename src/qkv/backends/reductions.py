@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from qkv.backends.blockwise import bias_tile
 from qkv.backends.fused import fused_attention
 from qkv.masks import EMPTY, FULL, StructuredMask, Tile
 from qkv.masks.rules import AnyOf, Documents, Padding, SlidingWindow
@@ -325,15 +326,6 @@ def _rows(x: Tensor, batch: tuple[int, ...], B: int) -> Tensor:
     return x[torch.tensor(batch, device=x.device)]
 
 
-def _cut(x: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
-    """``x [B|1, H|1, T|1, S|1]`` restricted to a piece (broadcast dims kept)."""
-    if x is None:
-        return None
-    qs = slice(q0, q1) if x.shape[2] != 1 else slice(None)
-    ks = slice(k0, k1) if x.shape[3] != 1 else slice(None)
-    return x[:, :, qs, ks]  # [B|1, H|1, bq|1, bk|1]
-
-
 def reduced_attention(
     query: Tensor,
     key: Tensor,
@@ -395,7 +387,7 @@ def reduced_attention(
                 k[:, :, p.k0 : p.k1],
                 v[:, :, p.k0 : p.k1],
                 mask,
-                _cut(bias, p.q0, p.q1, p.k0, p.k1),
+                bias_tile(bias, p.q0, p.q1, p.k0, p.k1),
                 is_causal=p.kind == "causal",
                 scale=scale,
                 dropout_p=dropout_p,
