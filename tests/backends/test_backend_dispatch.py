@@ -25,8 +25,11 @@ def test_weights_need_reference() -> None:
 def test_dense_goes_fused_and_sdpa_causal_only_when_square() -> None:
     assert qkv.explain_backend(*_qkv(64, 64)).startswith("fused:")
     assert "SDPA's own causal kernel" in qkv.explain_backend(*_qkv(64, 64), is_causal=True)
+    # Bottom-right with T=4 < S=64: only rows 0-2 have a causal edge; row 3 sees every key.
     small = qkv.explain_backend(*_qkv(4, 64), is_causal=True)
-    assert small.startswith("fused:") and "bottom-right causal mask is materialized" in small
+    assert small.startswith("fused:") and "2 SDPA call(s)" in small and "[3, 63]" in small
+    forced = qkv.explain_backend(*_qkv(4, 64), mask=torch.ones(4, 64).tril(60) == 0, is_causal=True)
+    assert forced.startswith("fused:") and "bottom-right causal mask is materialized" in forced
 
 
 def test_large_structured_masks_go_blockwise_with_the_skipped_fraction() -> None:
@@ -39,7 +42,7 @@ def test_large_structured_masks_go_blockwise_with_the_skipped_fraction() -> None
 
 
 def test_dense_structured_mask_is_materialized_for_fused_and_says_so() -> None:
-    holes = (torch.arange(2048) % 2 == 1)[None]  # [1, S]: every other key is padding
+    holes = (torch.arange(2048) % 2 == 0)[None]  # [1, S]: every other key, not the last, padding
     why = qkv.explain_backend(*_qkv(2048, 2048), mask=Padding(holes))
     assert why.startswith("fused:") and "materialized" in why
     half = qkv.explain_backend(*_qkv(64, 64, torch.float16), mask=SlidingWindow(8))
