@@ -26,6 +26,7 @@ from torch import Tensor
 from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
 from qkv.backends.fused import fused_attention
+from qkv.backends.reductions import reduced_attention
 from qkv.backends.reference import reference_attention
 from qkv.checks import check_positive_int, check_probability
 from qkv.masks import StructuredMask, causal_mask, combine
@@ -338,6 +339,18 @@ def _run(call: _Call) -> tuple[Tensor, Tensor | None]:
             block_k=call.block_k,
             plan=call.choice.plan,
         )
+        return out, None
+    if call.choice.reduction is not None:
+        out = reduced_attention(
+            q,
+            k,
+            v,
+            call.choice.reduction,
+            call.attn_bias,
+            scale=call.scale,
+            dropout_p=call.dropout_p,
+            training=call.training,
+        )  # [B, H, T, Dv]
         return out, None
     B, H, T, _ = q.shape
     S = k.shape[2]

@@ -25,12 +25,15 @@ def test_weights_need_reference() -> None:
 def test_dense_goes_fused_and_sdpa_causal_only_when_square() -> None:
     assert qkv.explain_backend(*_qkv(64, 64)).startswith("fused:")
     assert "SDPA's own causal kernel" in qkv.explain_backend(*_qkv(64, 64), is_causal=True)
+    # Bottom-right with T=4 < S=64: only rows 0-2 have a causal edge; row 3 sees every key.
     small = qkv.explain_backend(*_qkv(4, 64), is_causal=True)
-    assert small.startswith("fused:") and "bottom-right causal mask is materialized" in small
+    assert small.startswith("fused:") and "2 SDPA call(s)" in small and "[3, 63]" in small
+    forced = qkv.explain_backend(*_qkv(4, 64), mask=torch.ones(4, 64).tril(60) == 0, is_causal=True)
+    assert forced.startswith("fused:") and "bottom-right causal mask is materialized" in forced
 
 
 def test_large_structured_masks_go_blockwise_with_the_skipped_fraction() -> None:
-    why = qkv.explain_backend(*_qkv(4096, 4096), mask=Causal())
+    why = qkv.explain_backend(*_qkv(4096, 4096), mask=SlidingWindow(1024))
     assert why.startswith("blockwise:") and "fully masked" in why
     why = qkv.explain_backend(*_qkv(16384, 16384), mask=SlidingWindow(256))
     assert why.startswith("blockwise:") and "materializing" in why
@@ -39,10 +42,13 @@ def test_large_structured_masks_go_blockwise_with_the_skipped_fraction() -> None
 
 
 def test_dense_structured_mask_is_materialized_for_fused_and_says_so() -> None:
-    why = qkv.explain_backend(*_qkv(2048, 2048), mask=Padding(torch.tensor([2000])))
+    holes = (torch.arange(2048) % 2 == 0)[None]  # [1, S]: every other key, not the last, padding
+    why = qkv.explain_backend(*_qkv(2048, 2048), mask=Padding(holes))
     assert why.startswith("fused:") and "materialized" in why
-    half = qkv.explain_backend(*_qkv(64, 64, torch.float16), mask=Causal())
+    half = qkv.explain_backend(*_qkv(64, 64, torch.float16), mask=SlidingWindow(8))
     assert "upcast to float32" in half and "materialized" in half
+    reduced = qkv.explain_backend(*_qkv(64, 64, torch.float16), mask=Causal())
+    assert "upcast to float32" in reduced and "is_causal kernel" in reduced
 
 
 def test_forced_backend_that_cannot_serve_raises_and_explains() -> None:
@@ -79,10 +85,12 @@ def test_multihead_passes_its_backend(backend: str) -> None:
 
 
 def test_explanation_counts_the_calls_own_blocks() -> None:
-    default = qkv.explain_backend(*_qkv(4096, 4096), mask=Causal())
+    window = SlidingWindow(1024)
+    default = qkv.explain_backend(*_qkv(4096, 4096), mask=window)
     assert "of 128 tiles" in default  # 16 x 8 tiles of 256 x 512
-    small = qkv.explain_backend(*_qkv(4096, 4096), mask=Causal(), block_q=512, block_k=512)
-    assert "28 of 64 tiles (44%)" in small
+    small = qkv.explain_backend(*_qkv(4096, 4096), mask=window, block_q=512, block_k=512)
+    # 8 x 8 tiles of 512: query block i sees key blocks i-2 .. i, so 8 + 7 + 6 are computed.
+    assert "43 of 64 tiles (67%)" in small
 
 
 def test_blockwise_runs_the_plan_dispatch_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,7 +106,7 @@ def test_blockwise_runs_the_plan_dispatch_made(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(dispatch, "plan_tiles", counting)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 1024, 8, generator=g) for _ in range(3))
-    kw: dict[str, object] = {"mask": Causal(), "block_q": 128, "block_k": 128}
+    kw: dict[str, object] = {"mask": SlidingWindow(256), "block_q": 128, "block_k": 128}
     assert qkv.explain_backend(q, k, v, **kw).startswith("blockwise:")  # type: ignore[arg-type]
     calls.clear()
     out, _ = qkv.attention(q, k, v, **kw)  # type: ignore[arg-type]

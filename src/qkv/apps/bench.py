@@ -1,18 +1,20 @@
-"""Attention benchmarks: qkv's backends against PyTorch SDPA, measured side by side in one run.
+"""Attention benchmarks: qkv ``auto`` against the best peer for each mask, side by side in one run.
 
-Every time is the median of ``repeats`` runs after one warm-up, float32, B=1, H=8, Dh=64; the
-contestants of a row run round-robin and each ratio is the median of back-to-back ratios, so a
-shared machine's load drift hits both sides alike. Masked cases give torch SDPA the same mask as
-an explicit bool tensor. GFLOP/s count the model FLOPs of
-the query-key pairs a backend computes (all of them for SDPA, fused and reference; the tiles not
-skipped for blockwise): ``4 · B · H · pairs · Dh`` forward, three times that forward+backward.
-The matmul line is a float32 ``bmm`` ``[B·H, 1024, Dh] @ [B·H, Dh, 1024]`` into a preallocated
-output, measured in the same run. Peak memory is measured as the process's peak resident set
-(``VmHWM`` reset through ``/proc/self/clear_refs``) above what it held before the call, or
-``torch.cuda.max_memory_allocated`` on a GPU.
+For every mask x length x pass (forward, forward+backward) the contestants are torch's own ways
+of computing that very mask, each as fast as torch allows: SDPA unmasked, SDPA ``is_causal``,
+SDPA with the mask as an explicit bool tensor, SDPA on the truncated keys, SDPA called per
+document. qkv runs with ``backend="auto"`` and the mask as a rule (or ``is_causal``). Each time
+is the median of ``repeats`` runs after one warm-up, float32, B=1, H=8, Dh=64; contestants run
+round-robin and the ratio is the median over rounds of qkv's time over the best peer's time in
+the same round (the best peer: the one with the lowest median), so a shared machine's load
+drift hits both sides alike. GFLOP/s count the useful pairs only (those the mask lets through):
+``4 · B · H · pairs · Dh`` forward, three times that forward+backward, next to a measured
+float32 ``bmm`` ``[H, 1024, Dh] @ [H, Dh, 1024]``. Peak memory is one forward's peak resident
+set (``VmHWM`` reset through ``/proc/self/clear_refs``) above what the process held before it,
+or ``torch.cuda.max_memory_allocated`` on a GPU.
 
-Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes); both parse
-their options in :mod:`qkv.apps.cli`, this module has no argparse.
+Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes,
+``--cases``, ``--lengths``); both parse their options in :mod:`qkv.apps.cli`.
 """
 
 from __future__ import annotations
@@ -26,13 +28,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.backends.blockwise import default_blocks, plan_tiles
-from qkv.functional import attention
-from qkv.masks import Causal, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
+from qkv.functional import attention, explain_backend
+from qkv.masks import Causal, Documents, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
 
-__all__ = ["Row", "format_table", "matmul_gflops", "peak_memory_mb", "run_benchmarks"]
+__all__ = ["CASES", "Row", "format_table", "matmul_gflops", "peak_memory_mb", "run_benchmarks"]
 
 H, DH = 8, 64
+LENGTHS = (1024, 4096, 8192, 16384)
+CASES = (
+    "none",
+    "is_causal",
+    "Causal()",
+    "sliding window 256",
+    "4 documents",
+    "4 documents | Causal",
+    "half padded",
+    "Causal | 3/4 padded",
+    "sliding window 256 | half padded",
+)
+"""Every mask of the table; ``--cases`` picks some."""
+SKIPS_MORE = {"sliding window 256 | half padded"}
+"""Cases where qkv's knowledge of the mask skips work no peer here skips: goal <= 0.8."""
+
+Attn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass
@@ -42,11 +60,26 @@ class Row:
     case: str
     L: int
     mode: str
-    backend: str
+    contestant: str
     seconds: float
     ratio: float | None
     gflops: float
+    peak_mb: float | None
     goal: str
+
+
+@dataclass
+class _Case:
+    """A mask at one length: qkv's mask (or ``is_causal``), the peers' calls, the useful pairs."""
+
+    mask: StructuredMask | None
+    is_causal: bool
+    peers: dict[str, Attn]
+    pairs: int
+
+    def qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """qkv ``auto`` on this case."""
+        return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
 
 
 def _sync(device: torch.device) -> None:
@@ -54,50 +87,97 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _step(fn: Callable[[], Tensor], inputs: Sequence[Tensor], backward: bool) -> Callable[[], None]:
-    def run() -> None:
-        if backward:
-            for x in inputs:
-                x.grad = None
-            fn().sum().backward()
-        else:
-            with torch.no_grad():
-                fn()
-
-    return run
-
-
 def matmul_gflops(repeats: int, device: torch.device) -> float:
     """GFLOP/s of a float32 ``[H, 1024, Dh] @ [H, Dh, 1024]`` batched matmul."""
     a = torch.randn(H, 1024, DH, device=device)
     b = torch.randn(H, DH, 1024, device=device)
     out = torch.empty(H, 1024, 1024, device=device)
-    t = _median_time(lambda: torch.bmm(a, b, out=out), max(repeats, 5), device)
-    return 2 * H * 1024 * 1024 * DH / t / 1e9
+    fn = lambda: torch.bmm(a, b, out=out)  # noqa: E731
+    (times,) = _interleaved([fn], max(repeats, 5), device)
+    return 2 * H * 1024 * 1024 * DH / statistics.median(times) / 1e9
 
 
-def _case_mask(case: str, L: int, device: torch.device) -> StructuredMask | None:
-    if case == "dense":
-        return None
-    if case == "causal":
-        return Causal()
-    if case == "padding+causal":
-        return Causal() | Padding(torch.tensor([3 * L // 4], device=device))
-    if case.startswith("sliding"):
-        return SlidingWindow(int(case.split()[-1]))
-    raise ValueError(f"unknown case {case!r}")
+def _doc_lengths(L: int) -> list[int]:
+    """Four packed documents of unequal lengths summing to ``L``."""
+    parts = [L // 10, 2 * L // 10, 3 * L // 10]
+    return [*parts, L - sum(parts)]
+
+
+def _per_document(lengths: list[int], causal: bool) -> Attn:
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        outs, start = [], 0
+        for n in lengths:
+            s = slice(start, start + n)
+            outs.append(
+                F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=causal)
+            )
+            start += n
+        return torch.cat(outs, dim=2)  # [B, H, T, Dh]
+
+    return run
+
+
+def _sdpa_with(allowed: Tensor | None, is_causal: bool = False) -> Attn:
+    return lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, is_causal=is_causal
+    )
+
+
+def _make_case(case: str, L: int, device: torch.device) -> _Case:
+    """qkv's call and the peers for one mask at length ``L``."""
+    n_live = {"half padded": L // 2, "Causal | 3/4 padded": 3 * L // 4}.get(case, L // 2)
+    lengths = torch.tensor([n_live], device=device)
+    docs = _doc_lengths(L)
+    ids = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(docs)])[None]
+    window = SlidingWindow(256)
+    rules: dict[str, StructuredMask | None] = {
+        "none": None,
+        "is_causal": None,
+        "Causal()": Causal(),
+        "sliding window 256": window,
+        "4 documents": Documents(ids),
+        "4 documents | Causal": Documents(ids) | Causal(),
+        "half padded": Padding(lengths),
+        "Causal | 3/4 padded": Causal() | Padding(lengths),
+        "sliding window 256 | half padded": window | Padding(lengths),
+    }
+    if case not in rules:
+        raise ValueError(f"unknown case {case!r}; expected one of {CASES}")
+    rule = rules[case]
+    if case == "none":
+        return _Case(None, False, {"SDPA": _sdpa_with(None)}, L * L)
+    if case == "is_causal":
+        return _Case(None, True, {"SDPA is_causal": _sdpa_with(None, True)}, L * (L + 1) // 2)
+    assert rule is not None
+    blocked = rule.materialize(1, H, L, L, device)  # [1, 1|1, L|1, L]
+    pairs = int((~blocked).sum()) * (L if blocked.shape[2] == 1 else 1)
+    peers: dict[str, Attn] = {"SDPA + mask tensor": _sdpa_with(to_sdpa_bool(blocked))}
+    if case == "Causal()":
+        peers = {"SDPA is_causal": _sdpa_with(None, True)}
+    elif case.startswith("4 documents"):
+        peers["SDPA per document"] = _per_document(docs, causal=case.endswith("Causal"))
+    elif case == "half padded":
+        peers["SDPA on live keys"] = lambda q, k, v: F.scaled_dot_product_attention(
+            q, k[:, :, :n_live], v[:, :, :n_live]
+        )
+    elif case == "Causal | 3/4 padded":
+        peers["SDPA is_causal on live keys"] = lambda q, k, v: F.scaled_dot_product_attention(
+            q, k[:, :, :n_live], v[:, :, :n_live], is_causal=True
+        )
+    return _Case(rule, False, peers, pairs)
+
+
+def _step(fn: Attn, inputs: Sequence[Tensor], backward: bool) -> Callable[[], None]:
+    def run() -> None:
+        if backward:
+            for x in inputs:
+                x.grad = None
+            fn(*inputs).sum().backward()
+        else:
+            with torch.no_grad():
+                fn(*inputs)
+
+    return run
 
 
 def _interleaved(
@@ -117,69 +197,19 @@ def _interleaved(
     return times
 
 
-def _bench_case(
-    case: str,
-    L: int,
-    backends: Sequence[str],
-    goals: dict[str, str],
-    repeats: int,
-    device: torch.device,
-) -> list[Row]:
-    sm = _case_mask(case, L, device)
-    q, k, v = (torch.randn(1, H, L, DH, device=device, requires_grad=True) for _ in range(3))
-    dense = None if sm is None else sm.materialize(1, H, L, L, device)  # [1, 1, L, L]
-    allowed = None if dense is None else to_sdpa_bool(dense)
-    plan = plan_tiles(sm, 1, H, L, L, *default_blocks(sm), device)
-    rows = []
-    for backward, mode in ((False, "fwd"), (True, "fwd+bwd")):
-        flop_mult = 3 if backward else 1
-        fns = [
-            _step(
-                lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
-                (q, k, v),
-                backward,
-            )
-        ]
-        for backend in backends:
-            fns.append(
-                _step(
-                    lambda backend=backend: attention(q, k, v, mask=sm, backend=backend)[0],  # type: ignore[misc]
-                    (q, k, v),
-                    backward,
-                )
-            )
-        times = _interleaved(fns, repeats, device)
-        t_sdpa = statistics.median(times[0])
-        dense_gflops = flop_mult * 4 * H * L * L * DH / t_sdpa / 1e9
-        rows.append(Row(case, L, mode, "torch SDPA", t_sdpa, None, dense_gflops, ""))
-        for backend, ts in zip(backends, times[1:], strict=True):
-            t = statistics.median(ts)
-            # The ratio is the median of ratios of runs made back to back: robust to load drift.
-            ratio = statistics.median(a / b for a, b in zip(ts, times[0], strict=True))
-            pairs = plan.computed_pairs if backend == "blockwise" else L * L
-            gflops = flop_mult * 4 * H * pairs * DH / t / 1e9
-            goal = goals.get(f"{backend} {mode}", goals.get(backend, ""))
-            rows.append(Row(case, L, mode, f"qkv {backend}", t, ratio, gflops, goal))
-    return rows
-
-
-def peak_memory_mb(backend: str, L: int, heads: int, window: int, device: torch.device) -> float:
-    """Peak memory (MB) of one forward above the inputs, sliding-window mask, no autograd."""
-    q, k, v = (torch.randn(1, heads, L, DH, device=device) for _ in range(3))
-    mask = SlidingWindow(window)
+def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak memory (MB) of one call of ``fn`` above what was held before it."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.no_grad():
-            attention(q, k, v, mask=mask, backend=backend)  # type: ignore[arg-type]
+        fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     base = _rss_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-    with torch.no_grad():
-        attention(q, k, v, mask=mask, backend=backend)  # type: ignore[arg-type]
+    fn()
     return (_rss_kb("VmHWM") - base) / 1024
 
 
@@ -191,6 +221,42 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
+def _bench_case(case: str, L: int, repeats: int, judge: bool, device: torch.device) -> list[Row]:
+    c = _make_case(case, L, device)
+    q, k, v = (torch.randn(1, H, L, DH, device=device, requires_grad=True) for _ in range(3))
+    names = [*c.peers, "qkv auto"]
+    calls = [*c.peers.values(), c.qkv]
+    rows = []
+    for backward, mode in ((False, "fwd"), (True, "fwd+bwd")):
+        fns = [_step(fn, (q, k, v), backward) for fn in calls]
+        times = _interleaved(fns, repeats, device)
+        peaks: list[float | None] = [None] * len(fns)
+        if not backward:
+            peaks = [peak_memory_mb(fn, device) for fn in fns]
+        medians = [statistics.median(ts) for ts in times]
+        best = min(range(len(c.peers)), key=lambda i: medians[i])
+        # The ratio is the median of ratios of runs made back to back: robust to load drift.
+        ratio = statistics.median(a / b for a, b in zip(times[-1], times[best], strict=True))
+        goal = ("<= 0.8" if case in SKIPS_MORE else "<= 1.05") if judge else ""
+        flops = (3 if backward else 1) * 4 * H * c.pairs * DH
+        for i, name in enumerate(names):
+            last = i == len(names) - 1
+            rows.append(
+                Row(
+                    case,
+                    L,
+                    mode,
+                    name,
+                    medians[i],
+                    ratio if last else None,
+                    flops / medians[i] / 1e9,
+                    peaks[i],
+                    goal if last else "",
+                )
+            )
+    return rows
+
+
 def run_benchmarks(
     *,
     quick: bool = False,
@@ -198,26 +264,35 @@ def run_benchmarks(
     device: str = "cpu",
     threads: int | None = None,
     shrink: int | None = None,
+    cases: Sequence[str] | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> tuple[list[Row], float, list[str]]:
     """Measure the whole table.
 
     Args:
         quick: lengths divided by 8 (seconds instead of minutes), a smoke run; goals, which are
             stated for the full sizes, are not judged.
-        shrink: divide every length by this instead (tests use it).
         repeats: timed runs per entry (median); default 5 (quick: 2).
         device: ``"cpu"`` or ``"cuda"``.
         threads: ``torch.set_num_threads`` for the run (CPU), default unchanged.
+        shrink: divide every length by this instead (tests use it).
+        cases: the masks to run, from :data:`CASES` (default all).
+        lengths: the lengths before shrinking (default :data:`LENGTHS`).
 
     Returns:
-        ``(rows, matmul GFLOP/s, memory lines)``.
+        ``(rows, matmul GFLOP/s, explanation lines)``: the lines say what ``auto`` chose for
+        each case at the first length.
 
     Raises:
-        ValueError: ``device="cuda"`` without a GPU.
+        ValueError: ``device="cuda"`` without a GPU, an unknown case.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False")
+    chosen = tuple(CASES if cases is None else cases)
+    for case in chosen:
+        if case not in CASES:
+            raise ValueError(f"unknown case {case!r}; expected one of {CASES}")
     if threads is not None:
         torch.set_num_threads(threads)
     n = repeats if repeats is not None else (2 if quick else 5)
@@ -226,54 +301,36 @@ def run_benchmarks(
     torch.manual_seed(0)
     mm = matmul_gflops(n, dev)
     rows: list[Row] = []
-    dense_goals = {"fused": "<= 1.05"} if judge else {}
-    for L in (1024, 4096):
-        rows += _bench_case("dense", L // scale, ("fused", "reference"), dense_goals, n, dev)
-    causal_goals = {"blockwise": "<= 0.6 at 8192"} if judge else {}
-    for case in ("causal", "padding+causal"):
-        for L in (4096, 8192):
-            goals = causal_goals if case == "causal" and L == 8192 else {}
-            rows += _bench_case(case, L // scale, ("blockwise", "fused"), goals, n, dev)
-    window = 256 // scale
-    for L in (8192, 16384):
-        rows += _bench_case(
-            f"sliding window {window}",
-            L // scale,
-            ("blockwise",),
-            {"blockwise": "<= 0.15"} if judge else {},
-            n,
-            dev,
-        )
-    L = 16384 // scale
-    mem = [f"peak memory of one forward, sliding window {window}, L = {L}, above the inputs:"]
+    notes = []
     if dev.type == "cpu":
-        # RSS only grows when the allocator asks the OS for more: memory freed by the runs above
-        # is reused without showing, so on CPU the figure is a lower bound, never the truth.
-        mem.append(
-            "  (CPU: growth of the peak resident set, a lower bound: memory that earlier runs "
-            "freed is reused unseen)"
+        # RSS only grows when the allocator asks the OS for more: memory that earlier runs freed
+        # is reused without showing, so on CPU the peak column is a lower bound.
+        notes.append(
+            "peak MB on CPU: growth of the peak resident set, a lower bound (memory that earlier "
+            "runs freed is reused unseen)"
         )
-    out_mb = H * L * DH * 4 / 2**20  # the [1, H, L, Dh] float32 output alone
-    bw = peak_memory_mb("blockwise", L, H, window, dev)
-    bound = max(bw, out_mb)
-    mem.append(
-        f"  qkv blockwise H={H}: {bw:.1f} MB measured, at least {out_mb:.1f} MB (the output "
-        f"alone) (goal < 256 MB: {'met' if bound < 256 else 'NOT met'})"
-    )
-    # The reference at H=8 needs several [8, L, L] float32 tensors (8 GiB each at L=16384):
-    # more than this machine has. It is measured at H=1; its memory is linear in H.
-    ref1 = peak_memory_mb("reference", L, 1, window, dev)
-    mem.append(f"  qkv reference H=1: {ref1:.1f} MB measured (x{H} heads: ~{ref1 * H:.0f} MB)")
-    return rows, mm, mem
+    Ls = [max(L // scale, 8) for L in (LENGTHS if lengths is None else lengths)]
+    for case in chosen:
+        notes.append(f"{case} at L={Ls[0]}: qkv auto -> {_explain(case, Ls[0], dev)}")
+        for L in Ls:
+            rows += _bench_case(case, L, n, judge, dev)
+    return rows, mm, notes
 
 
-def format_table(rows: Sequence[Row], mm: float, mem: Sequence[str]) -> str:
+def _explain(case: str, L: int, device: torch.device) -> str:
+    c = torch.zeros(1, 1, 1, 1, device=device).expand(1, H, L, DH)  # [B, H, L, Dh], no memory
+    made = _make_case(case, L, device)
+    return explain_backend(c, c, c, mask=made.mask, is_causal=made.is_causal)
+
+
+def format_table(rows: Sequence[Row], mm: float, notes: Sequence[str]) -> str:
     """The markdown table that ``qkv bench`` prints."""
     lines = [
         f"float32 matmul [{H}, 1024, {DH}] @ [{H}, {DH}, 1024]: {mm:.1f} GFLOP/s",
         "",
-        "| case | L | pass | backend | ms | / torch SDPA | GFLOP/s | % of matmul | goal |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mask | L | pass | contestant | ms | auto / best peer | useful GFLOP/s | % of matmul "
+        "| peak MB (fwd) | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = "" if r.ratio is None else f"{r.ratio:.3f}"
@@ -281,9 +338,9 @@ def format_table(rows: Sequence[Row], mm: float, mem: Sequence[str]) -> str:
         if r.goal and r.ratio is not None:
             bound = float(r.goal.split()[1])
             met = f"{r.goal}: {'met' if r.ratio <= bound else 'NOT met'}"
-        pct = f"{100 * r.gflops / mm:.0f} %"
+        peak = "" if r.peak_mb is None else f"{r.peak_mb:.0f}"
         lines.append(
-            f"| {r.case} | {r.L} | {r.mode} | {r.backend} | {1e3 * r.seconds:.1f} | {ratio} | "
-            f"{r.gflops:.1f} | {pct} | {met} |"
+            f"| {r.case} | {r.L} | {r.mode} | {r.contestant} | {1e3 * r.seconds:.1f} | {ratio} | "
+            f"{r.gflops:.1f} | {100 * r.gflops / mm:.0f} % | {peak} | {met} |"
         )
-    return "\n".join([*lines, "", *mem])
+    return "\n".join([*lines, "", *notes])

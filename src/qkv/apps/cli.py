@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.apps.bench import format_table, run_benchmarks
+from qkv.apps.bench import CASES, format_table, run_benchmarks
 from qkv.apps.demo import print_demo, run_demo
 from qkv.apps.embed import embed, format_embed
 from qkv.apps.shapes import trace_attention_shapes, trace_model_shapes
@@ -271,9 +271,24 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
     _add_threads(p)
 
 
+_CASE_SLUGS = {re.sub(r"[^a-z0-9]+", "-", c.lower()).strip("-"): c for c in CASES}
+"""``--cases`` spellings (lower case, no spaces: ``4-documents-causal``) -> the table's names."""
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N]``."""
+    """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N] [--cases ...]
+    [--lengths ...]``."""
     p.add_argument("--quick", action="store_true", help="lengths / 8: a smoke run")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        choices=list(_CASE_SLUGS),
+        default=None,
+        help="masks to run (default all)",
+    )
+    p.add_argument(
+        "--lengths", nargs="+", type=_positive, default=None, help="L values (default 1k-16k)"
+    )
     p.add_argument(
         "--repeats", type=_positive, default=None, help="timed runs per entry (default 5, quick 2)"
     )
@@ -314,7 +329,12 @@ def _cmd_embed(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     rows, mm, mem = run_benchmarks(
-        quick=args.quick, repeats=args.repeats, device=args.device, threads=args.threads
+        quick=args.quick,
+        repeats=args.repeats,
+        device=args.device,
+        threads=args.threads,
+        cases=None if args.cases is None else [_CASE_SLUGS[c] for c in args.cases],
+        lengths=args.lengths,
     )
     print(format_table(rows, mm, mem))
     return 0

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_BLOCK_K",
     "DEFAULT_BLOCK_Q",
     "TilePlan",
+    "bias_tile",
     "blockwise_attention",
     "default_blocks",
     "plan_tiles",
@@ -160,7 +161,9 @@ def plan_tiles(
     return TilePlan(tuple(rows), total, pairs, (B, H, T, S), (block_q, block_k), mask, kept)
 
 
-def _bias_tile(attn_bias: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
+def bias_tile(attn_bias: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
+    """``attn_bias [B|1, H|1, T|1, S|1]`` restricted to queries ``[q0, q1)`` by keys
+    ``[k0, k1)``, broadcast dims kept (None stays None)."""
     if attn_bias is None:
         return None
     qs = slice(q0, q1) if attn_bias.shape[2] != 1 else slice(None)
@@ -202,7 +205,7 @@ class _Ctx:
         """Masked scores of one tile, written into ``buf``; ``qi`` is already scaled."""
         s = _view(buf, (qi.shape[0], qi.shape[1], t[1] - t[0], t[3] - t[2]))  # [B, H, bq, bk]
         torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1), out=s)  # [B, H, bq, bk]
-        b = _bias_tile(attn_bias, *t)
+        b = bias_tile(attn_bias, *t)
         if b is not None:
             s.add_(b)  # [B, H, bq, bk]
         tm = self.masks.get(t)

@@ -3,12 +3,16 @@
 ``auto`` is decided per call from facts about it, never by trying a backend and falling back:
 
 1. weights requested: **reference**, the only backend that returns them;
-2. a structured mask (or ``is_causal`` with ``T != S``) on a grid of at least
+2. a structured mask made of ``Causal`` / ``Padding`` / ``Documents`` parts (or ``is_causal``
+   with ``T != S``) that :func:`~qkv.backends.reductions.reduce_mask` cuts exactly into a few
+   plain SDPA calls (``is_causal`` kernel, truncated keys, one call per document): **fused**,
+   on those calls, with no ``[T, S]`` mask (also when ``backend="fused"`` is asked for);
+3. a structured mask (or ``is_causal`` with ``T != S``) on a grid of at least
    :data:`BLOCKWISE_MIN_PAIRS` query-key pairs, where at least :data:`BLOCKWISE_MIN_SKIP` of the
    tiles are fully masked (a ``mask_mod`` or tensor part is assumed sparse: telling would cost a
    pass over the whole grid), or whose materialized mask would exceed
    :data:`MATERIALIZE_LIMIT_BYTES`: **blockwise**;
-3. everything else: **fused** (structured masks are then materialized).
+4. everything else: **fused** (structured masks are then materialized in their broadcast shape).
 
 A backend asked for by name is used as asked; if it cannot serve the call (weights from fused
 or blockwise) :func:`choose_backend` raises instead of switching.
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
 from qkv.backends.fused import uses_sdpa_is_causal
+from qkv.backends.reductions import Reduction, reduce_mask
 from qkv.masks import StructuredMask
 from qkv.masks.rules import AnyOf, Causal, Dense, Documents, MaskMod, Padding, SlidingWindow
 
@@ -56,12 +61,15 @@ class BackendChoice:
         reason: the sentence.
         mask: for blockwise, the structured mask it runs (see :func:`blockwise_mask`).
         plan: for blockwise, the tile plan of ``mask`` made while choosing, or None.
+        reduction: for fused, the SDPA calls the mask was reduced to (see
+            :mod:`qkv.backends.reductions`), or None: the mask is materialized.
     """
 
     backend: str
     reason: str
     mask: StructuredMask | None = field(default=None, compare=False)
     plan: TilePlan | None = field(default=None, compare=False)
+    reduction: Reduction | None = field(default=None, compare=False)
 
 
 def blockwise_mask(mask: Tensor | StructuredMask | None, is_causal: bool) -> StructuredMask | None:
@@ -94,6 +102,14 @@ def _mb(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:.1f} MB"
 
 
+def _upcast_note(dtype: torch.dtype) -> str:
+    return (
+        f"{dtype} is upcast to float32 before SDPA"
+        if dtype in (torch.float16, torch.bfloat16)
+        else ""
+    )
+
+
 def _fused_notes(
     dtype: torch.dtype, masked: bool, structured: bool, is_causal: bool, T: int, S: int
 ) -> str:
@@ -107,8 +123,8 @@ def _fused_notes(
             f"SDPA's is_causal is top-left aligned and T={T} != S={S}, so the bottom-right "
             "causal mask is materialized"
         )
-    if dtype in (torch.float16, torch.bfloat16):
-        notes.append(f"{dtype} is upcast to float32 before SDPA")
+    if _upcast_note(dtype):
+        notes.append(_upcast_note(dtype))
     if masked or is_causal:
         notes.append("rows with every key blocked are unblocked for SDPA and their output set to 0")
     return "; ".join(notes) if notes else "SDPA runs it unchanged"
@@ -156,8 +172,6 @@ def choose_backend(
         )
     if requested == "reference":
         return BackendChoice("reference", "backend='reference' was requested")
-    if requested == "fused":
-        return BackendChoice("fused", f"backend='fused' was requested; {notes}")
     run_mask = blockwise_mask(mask, is_causal)
     if requested == "blockwise":
         return BackendChoice("blockwise", "backend='blockwise' was requested", run_mask)
@@ -165,6 +179,14 @@ def choose_backend(
         return BackendChoice(
             "reference", "need_weights=True and only the reference backend returns weights"
         )
+    red = _reduction(mask, run_mask, B, H, T, S, strict=requested == "auto")
+    if red is not None:
+        asked = "backend='fused' was requested; " if requested == "fused" else ""
+        upcast = _upcast_note(query.dtype)
+        why = f"{asked}{red.summary}{'; ' + upcast if upcast else ''}"
+        return BackendChoice("fused", why, reduction=red)
+    if requested == "fused":
+        return BackendChoice("fused", f"backend='fused' was requested; {notes}")
     sparse_kind = structured or (is_causal and T != S)
     if not sparse_kind:
         if isinstance(mask, Tensor):
@@ -216,6 +238,42 @@ def choose_backend(
         f"{sm!r}: only {tiles} (< {BLOCKWISE_MIN_SKIP:.0%}), so SDPA over the dense mask is "
         f"faster; {notes}",
     )
+
+
+def _reduction(
+    mask: Tensor | StructuredMask | None,
+    run_mask: StructuredMask | None,
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    *,
+    strict: bool,
+) -> Reduction | None:
+    """The exact SDPA reduction of a structured mask (or a causal call SDPA's flag cannot take
+    as it is), if one exists and its own mask pieces stay within :data:`MATERIALIZE_LIMIT_BYTES`.
+
+    ``strict`` (``auto``): on a grid blockwise would be considered for, also refuse one that
+    leaves most pairs under a ``[T, S]``-shaped piece mask, where blockwise may skip more.
+    """
+    if isinstance(mask, Tensor) or run_mask is None or (mask is None and T == S):
+        return None  # a tensor goes to SDPA as it is; so does is_causal with T == S
+    red = reduce_mask(run_mask, B, H, T, S)
+    if red is None:
+        return None
+    masked = [(len(g.batch), p) for g in red.groups for p in g.pieces if p.kind == "masked"]
+    if any(5 * n * p.pairs > MATERIALIZE_LIMIT_BYTES for n, p in masked):
+        return None
+    under_mask = sum(n * p.pairs for n, p in masked)
+    if strict and T * S >= BLOCKWISE_MIN_PAIRS and _has_row_rules(run_mask):
+        return None if 2 * under_mask > B * T * S else red
+    return red
+
+
+def _has_row_rules(mask: StructuredMask) -> bool:
+    """Whether a mask's pieces may need ``[T, S]``-shaped masks (not only ``[B, 1, 1, S]``)."""
+    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
+    return any(not isinstance(p, Padding) for p in parts)
 
 
 def _per_batch(mask: object) -> bool:

@@ -1,0 +1,403 @@
+"""Exact reductions of structured masks to a few plain SDPA calls.
+
+A mask made of :class:`~qkv.masks.Causal`, :class:`~qkv.masks.Padding` and
+:class:`~qkv.masks.Documents` parts (any of them, combined with ``|``, plus the call's
+``is_causal``) blocks whole rectangles and causal triangles of the attention grid. Each such
+region is a call SDPA already runs at full speed, with no mask tensor at all:
+
+- ``Causal`` whose queries start at key 0 (top-left, or bottom-right with ``T == S``): SDPA's own
+  ``is_causal`` kernel, which skips the upper triangle;
+- ``Padding``: keys past the longest live length are dropped (every query blocks them), so SDPA
+  runs on the truncated keys; samples of different lengths keep a ``[B, 1, 1, S']`` mask, or,
+  combined with a causal part, are grouped by length;
+- ``Documents`` with sorted ids: one call per document on that document's queries and keys,
+  never a dense ``[T, S]`` mask;
+- combinations compose: a document's keys are cut by the padding, then made causal.
+
+:func:`reduce_mask` finds these pieces for one call (eagerly, from the rule's lengths and ids:
+this is planning, like the blockwise tile plan, and is skipped while tracing or compiling);
+:func:`reduced_attention` runs them through :func:`qkv.backends.fused.fused_attention`, which
+keeps qkv's semantics (fully masked rows 0 with finite gradients, upcast, GQA). A piece the
+rules leave irregular (a causal edge not on the diagonal, holes in an ``is_pad`` mask) gets the
+rule's own mask for that piece only, built by :meth:`StructuredMask.tile`. Rows no key is left
+for are zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from qkv.backends.blockwise import bias_tile
+from qkv.backends.fused import fused_attention
+from qkv.masks import EMPTY, FULL, StructuredMask, Tile
+from qkv.masks.rules import AnyOf, Documents, Padding, SlidingWindow
+from qkv.masks.tiles import query_offset
+
+MAX_CALLS = 256
+"""A reduction needing more SDPA calls than this (many tiny documents) is not made."""
+
+Kind = Literal["open", "causal", "masked", "dead"]
+
+__all__ = ["MAX_CALLS", "Piece", "Reduction", "reduce_mask", "reduced_attention"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Queries ``[q0, q1)`` against keys ``[k0, k1)``: one SDPA call (or zeros).
+
+    Attributes:
+        q0: first query row.
+        q1: one past the last.
+        k0: first key.
+        k1: one past the last key; every key the rows may see lies in ``[k0, k1)``.
+        kind: ``"open"`` (no key in the range blocked), ``"causal"`` (a square, causal range:
+            SDPA's ``is_causal``), ``"masked"`` (the rule's own mask of this range), ``"dead"``
+            (no key at all: output 0).
+    """
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: Kind
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs computed: 0 for dead rows, the lower triangle of a causal square."""
+        n = self.q1 - self.q0
+        if self.kind == "causal":
+            return n * (n + 1) // 2
+        return 0 if self.kind == "dead" else n * (self.k1 - self.k0)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Samples that share one list of pieces.
+
+    Attributes:
+        batch: the sample indices, ascending.
+        pieces: the pieces, covering the query rows ``[0, T)`` in order.
+    """
+
+    batch: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A call's mask as SDPA calls, and what was done, in words.
+
+    Attributes:
+        mask: the rule the pieces were cut from (masked pieces ask it for their tile).
+        groups: samples grouped by their pieces.
+        grid: ``(B, H, T, S)``.
+        summary: the sentence for :func:`qkv.explain_backend`.
+    """
+
+    mask: StructuredMask
+    groups: tuple[Group, ...]
+    grid: tuple[int, int, int, int]
+    summary: str
+
+    @property
+    def calls(self) -> int:
+        """SDPA calls made."""
+        return sum(p.kind != "dead" for g in self.groups for p in g.pieces)
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs computed, over all samples."""
+        return sum(len(g.batch) * p.pairs for g in self.groups for p in g.pieces)
+
+
+def _causal_pieces(q0: int, q1: int, k0: int, k1: int, offset: int | None) -> list[Piece]:
+    """Pieces of queries ``[q0, q1)`` over keys ``[k0, k1)`` where local query ``i`` may see
+    local keys ``j <= i + offset`` (all of them when ``offset`` is None)."""
+    nq, nk = q1 - q0, k1 - k0
+    if nq <= 0:
+        return []
+    if nk <= 0:
+        return [Piece(q0, q1, k0, k0, "dead")]
+    if offset is None or offset >= nk - 1:
+        return [Piece(q0, q1, k0, k1, "open")]
+    if offset < 0:  # the first -offset rows see no key; the rest are causal from key k0
+        r = min(-offset, nq)
+        return [Piece(q0, q0 + r, k0, k0, "dead"), *_causal_pieces(q0 + r, q1, k0, k1, 0)]
+    if offset == 0:  # top-left: rows past nk see every key; the square above is SDPA's is_causal
+        n = min(nq, nk)
+        return [Piece(q0, q0 + n, k0, k0 + n, "causal"), *_causal_pieces(q0 + n, q1, k0, k1, None)]
+    # 0 < offset < nk - 1: the first r rows have a causal edge off the diagonal.
+    r = min(nq, nk - 1 - offset)
+    edge = Piece(q0, q0 + r, k0, k0 + min(nk, r + offset), "masked")
+    return [edge, *_causal_pieces(q0 + r, q1, k0, k1, None)]
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(id, start, end)`` of each run of equal ids."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            runs.append((ids[start], start, i))
+            start = i
+    return runs
+
+
+@dataclass
+class _Parts:
+    """The reducible parts of a mask, or ``ok=False`` when a part is not reducible."""
+
+    ok: bool = True
+    causal: list[SlidingWindow] | None = None
+    padding: list[Padding] | None = None
+    documents: list[Documents] | None = None
+
+
+def _split(mask: StructuredMask) -> _Parts:
+    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
+    out = _Parts(causal=[], padding=[], documents=[])
+    assert out.causal is not None and out.padding is not None and out.documents is not None
+    for p in parts:
+        if isinstance(p, SlidingWindow) and p.window is None:
+            out.causal.append(p)
+        elif isinstance(p, Padding):
+            out.padding.append(p)
+        elif isinstance(p, Documents):
+            out.documents.append(p)
+        else:
+            return _Parts(ok=False)
+    return out
+
+
+def _key_limits(padding: list[Padding], B: int, S: int) -> tuple[list[int], list[bool]]:
+    """Per sample: one past its last live key, and whether live keys have holes before it."""
+    limit, holes = [S] * B, [False] * B
+    for p in padding:
+        if p.lengths is not None:
+            lengths = p.lengths.tolist()
+            limit = [min(a, int(n)) for a, n in zip(limit, lengths, strict=True)]
+            continue
+        assert p.is_pad is not None
+        live = ~p.is_pad  # [B, S]
+        pos = torch.arange(1, S + 1, device=live.device)  # [S]
+        last = (live * pos).amax(dim=1)  # [B]: one past the last live key, 0 if none
+        inner = live.sum(dim=1) != last  # [B]: a padded key before the last live one
+        for b, (n, h) in enumerate(zip(last.tolist(), inner.tolist(), strict=True)):
+            limit[b] = min(limit[b], int(n))
+            holes[b] = holes[b] or bool(h)
+    # Two paddings: a key live in one may be padding in the other, so there may be holes.
+    if len(padding) > 1 and any(p.is_pad is not None for p in padding):
+        holes = [True] * B
+    return limit, holes
+
+
+def _sample_pieces(
+    parts: _Parts, b: int, T: int, S: int, limit: int, holes: bool
+) -> list[Piece] | None:
+    """The pieces of sample ``b``, or None when its documents are not contiguous runs."""
+    assert parts.causal is not None and parts.documents is not None
+    offset = (
+        min(query_offset(T, S, c.align, c.offset) for c in parts.causal) if parts.causal else None
+    )
+    segments: list[tuple[int, int, int, int]] = []  # (q0, q1, k0, k1)
+    if not parts.documents:
+        segments.append((0, T, 0, limit))
+    else:
+        if len(parts.documents) > 1:
+            return None
+        doc = parts.documents[0]
+        q_runs = _runs(doc.q_ids[b].tolist())
+        k_runs = _runs(doc.kv_ids[b].tolist())
+        k_of = {d: (s, e) for d, s, e in k_runs}
+        if len(k_of) != len(k_runs):
+            return None  # an id in two places along the keys: not one range per document
+        for d, qs, qe in q_runs:
+            ks, ke = k_of.get(d, (0, 0))
+            segments.append((qs, qe, ks, min(ke, limit)))
+    pieces: list[Piece] = []
+    for q0, q1, k0, k1 in segments:
+        local = None if offset is None else q0 + offset - k0
+        for p in _causal_pieces(q0, q1, k0, k1, local):
+            if holes and p.kind in ("open", "causal"):
+                p = Piece(p.q0, p.q1, p.k0, p.k1, "masked")
+            pieces.append(p)
+    return _merge_dead(pieces)
+
+
+def _merge_dead(pieces: list[Piece]) -> list[Piece]:
+    out: list[Piece] = []
+    for p in pieces:
+        if out and p.kind == "dead" and out[-1].kind == "dead":
+            out[-1] = Piece(out[-1].q0, p.q1, 0, 0, "dead")
+        else:
+            out.append(p)
+    return out
+
+
+def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reduction | None:
+    """Cut a (validated) mask into SDPA calls, if it is made of reducible parts and that pays.
+
+    Args:
+        mask: the call's structured mask, the call's ``is_causal`` already joined as a
+            :class:`Causal` part.
+        B: batch size.
+        H: query heads.
+        T: query length.
+        S: key length.
+
+    Returns:
+        The reduction, or None: a part that is not ``Causal`` / ``Padding`` / ``Documents``,
+        documents that are not contiguous runs, more than :data:`MAX_CALLS` calls, a result that
+        would only be the whole mask materialized, or a call being traced or compiled (the
+        pieces are read from the rule's values).
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    parts = _split(mask)
+    if not parts.ok:
+        return None
+    assert parts.padding is not None and parts.documents is not None and parts.causal is not None
+    limits, holes = _key_limits(parts.padding, B, S)
+    by_pieces: dict[tuple[Piece, ...], list[int]] = {}
+    if parts.padding and not parts.documents and not parts.causal:
+        # Padding alone: one batched call on the keys up to the longest live length, with the
+        # [B, 1, 1, S'] mask only when the samples differ.
+        longest = max(limits)
+        kind: Kind = "open" if min(limits) == longest and not any(holes) else "masked"
+        whole = (Piece(0, T, 0, longest, kind) if longest else Piece(0, T, 0, 0, "dead"),)
+        by_pieces[whole] = list(range(B))
+    else:
+        for b in range(B):
+            pieces = _sample_pieces(parts, b, T, S, limits[b], holes[b])
+            if pieces is None:
+                return None
+            by_pieces.setdefault(tuple(pieces), []).append(b)
+    groups = tuple(Group(tuple(bs), ps) for ps, bs in by_pieces.items())
+    red = Reduction(mask, groups, (B, H, T, S), "")
+    every = [p for g in groups for p in g.pieces]
+    if red.calls == 0 or red.calls > MAX_CALLS:
+        return None
+    if red.pairs == B * T * S and all(p.kind == "masked" for p in every):
+        return None  # nothing cut: that is the materialized mask
+    return Reduction(mask, groups, (B, H, T, S), _summary(red, parts, limits))
+
+
+def _summary(red: Reduction, parts: _Parts, limits: list[int]) -> str:
+    B, _, T, S = red.grid
+    every = [p for g in red.groups for p in g.pieces]
+    facts = []
+    if any(p.kind == "causal" for p in every):
+        facts.append("the causal part runs as SDPA's is_causal kernel")
+    if parts.padding:
+        facts.append(f"keys cut to the live length (longest {max(limits)} of S={S})")
+        if len(red.groups) > 1 and not parts.documents:
+            facts.append(f"samples grouped by length ({len(red.groups)} groups)")
+    if parts.documents:
+        facts.append("one SDPA call per document")
+    masked = [p for p in every if p.kind == "masked"]
+    if masked:
+        big = max(masked, key=lambda p: p.pairs)
+        facts.append(
+            f"{len(masked)} piece(s) keep the rule's own mask, at most "
+            f"[{big.q1 - big.q0}, {big.k1 - big.k0}]"
+        )
+    dead = sum(
+        len(g.batch) * (p.q1 - p.q0) for g in red.groups for p in g.pieces if p.kind == "dead"
+    )
+    if dead:
+        facts.append(f"{dead} query row(s) with no key left are set to 0")
+    share = red.pairs / (B * T * S)
+    return (
+        f"{red.mask!r} reduced exactly to {red.calls} SDPA call(s) on {share:.0%} of the "
+        f"query-key pairs: {'; '.join(facts)}"
+    )
+
+
+def _rows(x: Tensor, batch: tuple[int, ...], B: int) -> Tensor:
+    """``x``'s samples ``batch`` (``x`` has B or 1 rows on dim 0)."""
+    if x.shape[0] == 1 or len(batch) == B:
+        return x
+    if batch == tuple(range(batch[0], batch[-1] + 1)):
+        return x[batch[0] : batch[-1] + 1]
+    return x[torch.tensor(batch, device=x.device)]
+
+
+def reduced_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    reduction: Reduction,
+    attn_bias: Tensor | None,
+    *,
+    scale: float,
+    dropout_p: float,
+    training: bool,
+) -> Tensor:
+    """Attention of a reduced mask: each piece through :func:`fused_attention`.
+
+    Args:
+        query: ``[B, H, T, Dh]``.
+        key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
+        value: ``[B, Hkv, S, Dv]``.
+        reduction: from :func:`reduce_mask` for this call's mask and grid.
+        attn_bias: float broadcastable to ``[B, H, T, S]``, or None.
+        scale: multiplies the scores.
+        dropout_p: dropout on the weights (only when ``training``).
+        training: apply dropout.
+
+    Returns:
+        Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
+
+    Raises:
+        ValueError: a reduction made for another grid.
+    """
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    if reduction.grid != (B, H, T, S):
+        raise ValueError(f"the reduction was made for grid {reduction.grid}, not {(B, H, T, S)}")
+    Dv = value.shape[3]
+    bias4 = None
+    if attn_bias is not None:
+        lead = (1,) * (4 - attn_bias.dim())
+        bias4 = attn_bias.reshape(lead + tuple(attn_bias.shape))  # [B|1, H|1, T|1, S|1]
+    outs = []
+    for g in reduction.groups:
+        q, k, v = (_rows(x, g.batch, B) for x in (query, key, value))
+        bias = None if bias4 is None else _rows(bias4, g.batch, B)
+        rows = []
+        for p in g.pieces:
+            if p.kind == "dead":
+                rows.append(query.new_zeros(len(g.batch), H, p.q1 - p.q0, Dv))  # [g, H, bq, Dv]
+                continue
+            mask: Tensor | None = None
+            if p.kind == "masked":
+                tm = reduction.mask.tile(Tile(B, H, T, S, p.q0, p.q1, p.k0, p.k1, query.device))
+                if tm is EMPTY:
+                    rows.append(query.new_zeros(len(g.batch), H, p.q1 - p.q0, Dv))
+                    continue
+                if tm is not FULL:
+                    assert isinstance(tm, Tensor)
+                    mask = _rows(tm, g.batch, B)  # [g|1, H|1, bq, bk]
+            out = fused_attention(
+                q[:, :, p.q0 : p.q1],
+                k[:, :, p.k0 : p.k1],
+                v[:, :, p.k0 : p.k1],
+                mask,
+                bias_tile(bias, p.q0, p.q1, p.k0, p.k1),
+                is_causal=p.kind == "causal",
+                scale=scale,
+                dropout_p=dropout_p,
+                training=training,
+            )  # [g, H, bq, Dv]
+            rows.append(out)
+        outs.append(rows[0] if len(rows) == 1 else torch.cat(rows, dim=2))  # [g, H, T, Dv]
+    if len(outs) == 1:
+        return outs[0]
+    order = [b for g in reduction.groups for b in g.batch]
+    inverse = torch.empty(B, dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(B)
+    return torch.cat(outs, dim=0).index_select(0, inverse.to(query.device))  # [B, H, T, Dv]

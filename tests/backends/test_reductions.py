@@ -1,0 +1,180 @@
+"""Mask reductions to plain SDPA calls: exact against the float64 reference, and named."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv.backends.reductions import reduce_mask, reduced_attention
+from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
+
+TOL64 = {"atol": 1e-10, "rtol": 1e-8}
+
+
+def _inputs(B: int, H: int, Hkv: int, T: int, S: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(B, H, T, 16, generator=g, dtype=torch.float64).requires_grad_(),
+        torch.randn(B, Hkv, S, 16, generator=g, dtype=torch.float64).requires_grad_(),
+        torch.randn(B, Hkv, S, 8, generator=g, dtype=torch.float64).requires_grad_(),
+    ]
+
+
+def _out_and_grads(backend: str, xs: list[torch.Tensor], **kw: object) -> list[torch.Tensor]:
+    out, _ = qkv.attention(*xs, backend=backend, **kw)  # type: ignore[arg-type]
+    d_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    bias = kw.get("attn_bias")
+    wrt = [*xs, *([bias] if isinstance(bias, torch.Tensor) else [])]
+    return [out, *torch.autograd.grad(out, wrt, d_out)]
+
+
+def _check(xs: list[torch.Tensor], **kw: object) -> str:
+    """auto and fused agree with the reference in float64; returns auto's explanation."""
+    want = _out_and_grads("reference", xs, **kw)
+    for backend in ("auto", "fused"):
+        got = _out_and_grads(backend, xs, **kw)
+        for g, w in zip(got, want, strict=True):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, w, **TOL64)
+    return qkv.explain_backend(*xs, **kw)  # type: ignore[arg-type]
+
+
+def _docs(lengths: list[int]) -> torch.Tensor:
+    """Document ids ``[1, sum(lengths)]`` of documents of these lengths, packed."""
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+
+
+def test_causal_rule_becomes_sdpa_is_causal() -> None:
+    xs = _inputs(1, 4, 2, 12, 12)
+    why = _check(xs, mask=Causal())
+    assert why.startswith("fused:") and "is_causal kernel" in why and "1 SDPA call" in why
+    top_left = _check(_inputs(1, 2, 2, 5, 9), mask=Causal(align="top_left"))
+    assert "is_causal kernel" in top_left
+    # Bottom-right with T > S: the first T - S rows see no key and are 0.
+    wide = _check(_inputs(1, 2, 2, 9, 5), mask=Causal())
+    assert "is_causal kernel" in wide and "4 query row(s) with no key left are set to 0" in wide
+
+
+def test_kv_cache_chunk_needs_no_full_mask() -> None:
+    # T=3 queries after 6 cached keys: only the first two rows have a causal edge.
+    xs = _inputs(1, 2, 1, 3, 9)
+    why = _check(xs, is_causal=True)
+    assert "2 SDPA call(s)" in why and "at most [2, 8]" in why
+    one = _check(_inputs(1, 2, 1, 1, 9), is_causal=True)  # decoding: row 0 sees every key
+    assert "1 SDPA call(s) on 100%" in one
+
+
+def test_padding_cuts_keys_to_the_longest_live_length() -> None:
+    xs = _inputs(3, 2, 2, 6, 10)
+    why = _check(xs, mask=Padding(torch.tensor([7, 4, 0])))
+    assert "keys cut to the live length (longest 7 of S=10)" in why
+    red = reduce_mask(Padding(torch.tensor([7, 4, 0])), 3, 2, 6, 10)
+    assert red is not None and red.calls == 1  # one batched call, [B, 1, 1, 7] mask
+
+
+def test_padding_as_is_pad_with_and_without_holes() -> None:
+    suffix = torch.tensor([[False] * 5 + [True] * 3, [False] * 6 + [True] * 2])
+    why = _check(_inputs(2, 2, 2, 4, 8), mask=Padding(suffix))
+    assert "longest 6 of S=8" in why
+    holes = torch.tensor([[False, True] * 3 + [True, True], [True] * 8])
+    why = _check(_inputs(2, 2, 2, 4, 8), mask=Padding(holes))
+    assert "longest 5 of S=8" in why and "rule's own mask" in why
+
+
+def test_causal_with_padding_groups_samples_by_length() -> None:
+    lengths = torch.tensor([9, 3, 9, 0])
+    why = _check(_inputs(4, 2, 1, 9, 9), mask=Causal() | Padding(lengths))
+    assert "is_causal kernel" in why and "grouped by length (3 groups)" in why
+
+
+def test_documents_one_call_each_and_causal_inside() -> None:
+    ids = _docs([3, 5, 1, 4])
+    why = _check(_inputs(1, 2, 2, 13, 13), mask=Documents(ids))
+    assert "one SDPA call per document" in why and "4 SDPA call(s)" in why
+    why = _check(_inputs(1, 2, 2, 13, 13), mask=Documents(ids) | Causal())
+    assert "one SDPA call per document" in why and "is_causal kernel" in why
+    padded = Documents(ids) | Causal() | Padding(torch.tensor([10]))
+    why = _check(_inputs(1, 2, 2, 13, 13), mask=padded)
+    assert "one SDPA call per document" in why and "longest 10" in why
+
+
+def test_cross_documents_and_missing_documents() -> None:
+    q_ids = torch.tensor([[0, 0, 1, 1, 1, 5]])  # document 5 has no keys: its row is 0
+    kv_ids = torch.tensor([[0, 1, 1, 1, 2, 2, 2]])
+    why = _check(_inputs(1, 2, 1, 6, 7), mask=Documents(q_ids, kv_ids))
+    assert "one SDPA call per document" in why and "1 query row(s)" in why
+
+
+def test_bias_is_cut_with_the_pieces() -> None:
+    xs = _inputs(2, 2, 2, 7, 7)
+    bias = torch.randn(2, 1, 7, 7, dtype=torch.float64, requires_grad=True)
+    mask = Documents(torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 2, 2]])) | Causal()
+    want = _out_and_grads("reference", xs, mask=mask, attn_bias=bias)
+    got = _out_and_grads("fused", xs, mask=mask, attn_bias=bias)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL64)
+
+
+def test_not_reducible_parts_and_unsorted_documents_are_left_alone() -> None:
+    assert reduce_mask(SlidingWindow(3), 1, 1, 8, 8) is None
+    assert reduce_mask(MaskMod(lambda b, h, q, k: q >= k), 1, 1, 8, 8) is None
+    assert reduce_mask(Documents(torch.tensor([[0, 1, 0, 1]])), 1, 1, 4, 4) is None
+    why = qkv.explain_backend(*_inputs(1, 1, 1, 8, 8), mask=SlidingWindow(3))
+    assert "reduced" not in why
+
+
+def test_a_reduction_for_another_grid_is_refused() -> None:
+    red = reduce_mask(Causal(), 1, 1, 4, 4)
+    assert red is not None
+    q, k, v = (torch.randn(1, 1, 5, 4) for _ in range(3))
+    with pytest.raises(ValueError, match="reduction was made for grid"):
+        reduced_attention(q, k, v, red, None, scale=0.5, dropout_p=0.0, training=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 12),
+    S=st.integers(1, 12),
+    groups=st.sampled_from([1, 2]),
+    causal=st.sampled_from([None, "bottom_right", "top_left", -2, 3]),
+    padding=st.booleans(),
+    docs=st.booleans(),
+    data=st.data(),
+)
+def test_any_combination_matches_the_reference(
+    B: int,
+    T: int,
+    S: int,
+    groups: int,
+    causal: str | int | None,
+    padding: bool,
+    docs: bool,
+    data: st.DataObject,
+) -> None:
+    parts: list[StructuredMask] = []
+    if causal in ("bottom_right", "top_left"):
+        parts.append(Causal(align=causal))  # type: ignore[arg-type]
+    elif isinstance(causal, int):
+        parts.append(Causal(offset=causal))
+    if padding:
+        lengths = data.draw(st.lists(st.integers(0, S), min_size=B, max_size=B))
+        parts.append(Padding(torch.tensor(lengths)))
+    if docs:
+
+        def ids(n: int) -> torch.Tensor:
+            steps = data.draw(st.lists(st.integers(0, 1), min_size=B * n, max_size=B * n))
+            return torch.tensor(steps).reshape(B, n).cumsum(dim=1)  # sorted ids [B, n]
+
+        parts.append(Documents(ids(T), ids(S)))
+    if not parts:
+        return
+    mask = parts[0] if len(parts) == 1 else parts[0] | parts[1]
+    for p in parts[2:]:
+        mask = mask | p
+    xs = _inputs(B, 2 * groups, 2, T, S)
+    want = _out_and_grads("reference", xs, mask=mask)
+    got = _out_and_grads("fused", xs, mask=mask)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL64)
