@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from qkv.checks import check_positive_int
 from qkv.functional import Backend, attention
 from qkv.masks import (
     Dense,
@@ -25,7 +26,11 @@ from qkv.nn.positional import apply_rotary
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["WEIGHTLESS_BACKENDS", "MultiHeadAttention"]
+
+WEIGHTLESS_BACKENDS = ("fused", "blockwise")
+"""Backends that compute no ``[B, H, T, S]`` weights; a module built for one defaults to
+``need_weights=False``."""
 
 
 def _mha_key_padding(key_padding_mask: Tensor, B: int, S: int) -> Tensor:
@@ -67,6 +72,7 @@ class MultiHeadAttention(nn.Module):
             (detached) in ``last_weights``, for plots. Off by default: it costs the fast path.
 
     Raises:
+        TypeError: a size that is not an int (a bool included: ``num_heads=True`` is no count).
         ValueError: a width that does not divide, non-positive sizes, dropout outside [0, 1].
     """
 
@@ -91,9 +97,10 @@ class MultiHeadAttention(nn.Module):
             ("embed_dim", embed_dim),
             ("num_heads", num_heads),
             ("num_kv_heads", num_kv_heads),
+            ("kdim", embed_dim if kdim is None else kdim),
+            ("vdim", embed_dim if vdim is None else vdim),
         ):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            check_positive_int(name, val)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads} "
@@ -165,7 +172,7 @@ class MultiHeadAttention(nn.Module):
         value: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         attn_mask: Tensor | None = None,
-        need_weights: bool = True,
+        need_weights: bool | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
         *,
@@ -185,7 +192,10 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask: ``[B, S]``, bool True = ignore, or additive float
                 (``nn.MultiheadAttention``'s sense).
             attn_mask: ``[T, S]`` or ``[B * H, T, S]``, bool True = ignore, or additive float.
-            need_weights: return the attention weights.
+            need_weights: return the attention weights. Default (None): True, as in
+                ``nn.MultiheadAttention``, unless the module was built for a backend that
+                cannot return them (``"fused"``, ``"blockwise"``): then False. True with such
+                a backend is a ValueError.
             average_attn_weights: average the weights over heads (``[B, T, S]``) or not
                 (``[B, H, T, S]``).
             is_causal: block future keys (bottom-right aligned, see :func:`qkv.attention`).
@@ -241,6 +251,15 @@ class MultiHeadAttention(nn.Module):
             # bottom-right alignment puts a lone query at the newest position: it may see every
             # key, so the causal mask would block nothing (the common cached decoding step)
             is_causal = False
+        weightless = self.backend in WEIGHTLESS_BACKENDS
+        if need_weights is None:
+            need_weights = not weightless
+        elif need_weights and weightless:
+            raise ValueError(
+                f"need_weights=True, but this module was built with backend={self.backend!r}, "
+                "which returns no weights: call it with need_weights=False (or leave it unset), "
+                "or build it with backend='reference' or 'auto'"
+            )
         want_weights = need_weights or self.record_weights
         out, weights = attention(
             q,
