@@ -245,6 +245,20 @@ class Padding(StructuredMask):
     def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
         return B, 1, 1, S
 
+    def materialize(
+        self, B: int, H: int, T: int, S: int, device: torch.device | None = None
+    ) -> Tensor:
+        """As :meth:`StructuredMask.materialize`, ``[B, 1, 1, S]``, but with tensor ops only:
+        models build their padding masks here in every forward, so no tile is classified (that
+        reads the mask on the host and cannot be traced)."""
+        dev = torch.device("cpu") if device is None else device
+        self.validate(B, H, T, S, dev)
+        if self.is_pad is not None:
+            return self.is_pad[:, None, None, :]  # [B, 1, 1, S]
+        assert self.lengths is not None
+        blocked = torch.arange(S, device=dev)[None, :] >= self.lengths[:, None]  # [B, S]
+        return blocked[:, None, None, :]  # [B, 1, 1, S]
+
     def tile(self, tile: Tile) -> TileMask:
         if self.is_pad is not None:
             blocked = self.is_pad[:, tile.k0 : tile.k1]  # [B, bk]
