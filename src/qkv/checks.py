@@ -36,11 +36,12 @@ def checks_values(validate: bool = True) -> bool:
 
 
 def _check_int_from(lowest: int, what: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # a torch.SymInt is a length while torch.export / torch.compile trace with dynamic shapes
+    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < lowest:
         raise ValueError(f"{name} must be a {what} int, got {value}")
-    return value
+    return value  # type: ignore[return-value]
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -169,9 +169,7 @@ def _check_scale(scale: object) -> float:
     """A finite positive score multiplier (bools, NaN, 0, negatives and inf refused: inf turns
     every score into +-inf and the softmax into NaN)."""
     if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise TypeError(
-            f"scale must be a float or None, got {scale!r} ({type(scale).__name__})"
-        )
+        raise TypeError(f"scale must be a float or None, got {scale!r} ({type(scale).__name__})")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive number (or None), got {scale}")
     return float(scale)

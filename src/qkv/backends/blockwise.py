@@ -216,7 +216,6 @@ class _Ctx:
             s.masked_fill_(tm, float("-inf"))  # [B, H, bq, bk]
         return s
 
-
     def keep(self, t: Bounds, shape: tuple[int, ...], like: Tensor) -> Tensor:
         nk = math.ceil(self.shape[3] / self.blocks[1])
         index = (t[0] // self.blocks[0]) * nk + t[2] // self.blocks[1]

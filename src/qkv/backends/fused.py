@@ -32,9 +32,20 @@ from qkv.masks import causal_mask
 __all__ = ["fused_attention", "uses_sdpa_is_causal"]
 
 
+def _python_bool(x: object) -> bool:
+    """A Python bool even for a ``SymBool`` of symbolic shapes, which SDPA's flags refuse (and
+    ``bool()`` keeps symbolic under torch.compile): the ``if`` makes the tracer guard on it."""
+    if x:
+        return True
+    return False
+
+
 def uses_sdpa_is_causal(T: int, S: int, mask: object, attn_bias: object, is_causal: bool) -> bool:
-    """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag."""
-    return is_causal and T == S and mask is None and attn_bias is None
+    """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag.
+
+    Always a Python bool, also when ``T == S`` is a ``SymBool`` (see :func:`_python_bool`).
+    """
+    return _python_bool(is_causal and mask is None and attn_bias is None and T == S)
 
 
 def fused_attention(
@@ -95,8 +106,7 @@ def fused_attention(
             dropout_p=dropout_p if training else 0.0,
             is_causal=sdpa_causal,
             scale=scale,
-            # a Python bool even when shapes are symbolic (the ONNX exporter insists)
-            enable_gqa=bool(key.shape[1] != query.shape[1]),
+            enable_gqa=_python_bool(key.shape[1] != query.shape[1]),
         )  # [B, H, T, Dv]
         if dead is not None:
             out = out.masked_fill(dead, 0.0)  # [B, H, T, Dv]

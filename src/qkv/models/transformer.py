@@ -192,9 +192,7 @@ class Transformer(nn.Module):
                     f"src_padding_mask must be [B, S] = {list(memory.shape[:2])}, "
                     f"got {tuple(src_padding_mask.shape)}"
                 )
-            src_pad = key_padding(
-                src_padding_mask, src_padding_mask, "src_padding_mask", validate
-            )
+            src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask", validate)
         memory_mask = None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
         x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
         x, pos = position_inputs(self.positional, x, offset, causal=True)
