@@ -35,7 +35,7 @@ __all__ = ["fused_attention", "uses_sdpa_is_causal"]
 def _python_bool(x: object) -> bool:
     """A Python bool even for a ``SymBool`` of symbolic shapes, which SDPA's flags refuse (and
     ``bool()`` keeps symbolic under torch.compile): the ``if`` makes the tracer guard on it."""
-    if x:
+    if x:  # noqa: SIM103 (``return bool(x)`` stays a SymBool under torch.compile)
         return True
     return False
 
