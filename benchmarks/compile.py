@@ -42,6 +42,19 @@ def _median_ratio(
     return statistics.median(times["eager"]) * 1e3, statistics.median(times["compiled"]) * 1e3
 
 
+def _eager_vs_compiled(
+    model: torch.nn.Module,
+    step: Callable[[Callable[..., Tensor]], Callable[[], None]],
+    repeats: int,
+) -> tuple[float, float]:
+    """Median ms of ``step(model)`` and ``step(torch.compile(model, fullgraph=True))``."""
+    eager_run, compiled_run = step(model), step(torch.compile(model, fullgraph=True))
+    for _ in range(2):  # warm-up: compilation, allocator
+        eager_run()
+        compiled_run()
+    return _median_ratio(eager_run, compiled_run, repeats)
+
+
 def training_step(repeats: int, B: int, L: int, d_model: int) -> tuple[float, float]:
     cfg = TransformerConfig(
         src_vocab_size=1000,
@@ -67,12 +80,7 @@ def training_step(repeats: int, B: int, L: int, d_model: int) -> tuple[float, fl
 
         return run
 
-    compiled = torch.compile(model, fullgraph=True)
-    eager_run, compiled_run = step(model), step(compiled)
-    for _ in range(2):  # warm-up: compilation, allocator
-        eager_run()
-        compiled_run()
-    return _median_ratio(eager_run, compiled_run, repeats)
+    return _eager_vs_compiled(model, step, repeats)
 
 
 def cached_decode(repeats: int, B: int, prompt: int, d_model: int) -> tuple[float, float]:
@@ -98,12 +106,7 @@ def cached_decode(repeats: int, B: int, prompt: int, d_model: int) -> tuple[floa
 
         return run
 
-    compiled = torch.compile(model, fullgraph=True)
-    eager_run, compiled_run = step(model), step(compiled)
-    for _ in range(2):
-        eager_run()
-        compiled_run()
-    return _median_ratio(eager_run, compiled_run, repeats)
+    return _eager_vs_compiled(model, step, repeats)
 
 
 def main(argv: list[str] | None = None) -> None:
