@@ -7,15 +7,41 @@ wanted: ``True`` is an ``int`` to Python, but never a length or a count to a use
 
 from __future__ import annotations
 
-__all__ = ["check_bool", "check_nonnegative_int", "check_positive_int", "check_probability"]
+import torch
+
+__all__ = [
+    "check_bool",
+    "check_nonnegative_int",
+    "check_positive_int",
+    "check_probability",
+    "checks_values",
+]
+
+
+def checks_values(validate: bool = True) -> bool:
+    """Whether a forward path should check the *values* of its tensors (token ids in range, ...).
+
+    Such checks read tensor data on the host: they make the host wait for the device on every
+    call and cannot be traced. So they run eagerly only: never under ``torch.compile``,
+    ``torch.export`` or the ONNX exporter (``torch.compiler.is_compiling()``), nor when the
+    caller passes ``validate=False``. Shape and dtype checks are not value checks and always run.
+
+    Args:
+        validate: the caller's switch (a model's ``validate=`` argument).
+
+    Returns:
+        True when the values should be checked.
+    """
+    return validate and not torch.compiler.is_compiling()
 
 
 def _check_int_from(lowest: int, what: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # a torch.SymInt is a length while torch.export / torch.compile trace with dynamic shapes
+    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < lowest:
         raise ValueError(f"{name} must be a {what} int, got {value}")
-    return value
+    return value  # type: ignore[return-value]
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -30,6 +30,7 @@ from qkv.backends.reductions import reduced_attention
 from qkv.backends.reference import reference_attention
 from qkv.checks import check_positive_int, check_probability
 from qkv.masks import StructuredMask, causal_mask, combine
+from qkv.masks.validate import as_4d, validate_mask
 
 Backend = Literal["auto", "reference", "fused", "blockwise"]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise")
@@ -110,60 +111,6 @@ def validate_qkv(query: object, key: object, value: object, *, allow_gqa: bool) 
         raise ValueError(f"key and value lengths differ: key S={k.shape[2]}, value S={v.shape[2]}")
 
 
-def validate_mask(mask: object, B: int, H: int, T: int, S: int, device: torch.device) -> Tensor:
-    """Check a qkv mask against ``[B, H, T, S]``; return it unchanged if it is sound.
-
-    Masks of fewer than 4 dimensions broadcast from the right, which silently turns a
-    ``[B, S]`` key-padding mask into a ``[T, S]`` one when ``B == T``. So: a 1-D mask must be
-    ``[S]``; a 2-D mask must be ``[T, S]`` (or ``[1, S]``) and is refused as ambiguous when
-    ``B == T > 1``; a 3-D mask must have a leading 1. Use 4-D masks (every builder in
-    :mod:`qkv.masks` returns one) to say exactly what is meant.
-
-    Raises:
-        TypeError: the mask is not a bool tensor.
-        ValueError: another device, not broadcastable, or one of the ambiguous shapes above.
-    """
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(
-            f"mask must be bool (True = blocked), got {mask.dtype}; convert float or int masks "
-            "with qkv.masks.from_additive / from_hf / from_sdpa_bool"
-        )
-    if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but query is on {device}")
-    shape = _shape(mask)
-    pad_hint = "use qkv.masks.padding_mask(lengths or is_pad [B, S]) to get [B, 1, 1, S]"
-    if mask.dim() == 2:
-        # A [1, S] mask reads the same as [B, S] and as [T, S]: nothing to refuse.
-        if shape[0] == B != 1 and shape[0] != T and shape[1] == S:
-            raise ValueError(
-                f"mask of shape {shape} looks like a key-padding mask [B, S]; broadcasting would "
-                f"read it as [T, S]. {pad_hint}"
-            )
-        if B == T > 1 and shape[0] == T:
-            raise ValueError(
-                f"2-D mask {shape} is ambiguous when B == T == {T}: it could be a [B, S] "
-                f"key-padding mask. Pass mask[None, None] for a [T, S] mask, or {pad_hint}"
-            )
-    elif mask.dim() == 3 and shape[0] != 1:
-        raise ValueError(
-            f"3-D mask {shape} is ambiguous ([B, T, S] or [H, T, S]); make it 4-D, e.g. "
-            "mask[:, None] for [B, 1, T, S]"
-        )
-    elif mask.dim() > 4 or mask.dim() == 0:
-        raise ValueError(f"mask must have 1 to 4 dims broadcastable to [B, H, T, S], got {shape}")
-    try:
-        full = torch.broadcast_shapes(shape, (B, H, T, S))
-    except RuntimeError:
-        full = None
-    if full != (B, H, T, S):
-        raise ValueError(
-            f"mask of shape {shape} is not broadcastable to [B, H, T, S] = {[B, H, T, S]}"
-        )
-    return mask
-
-
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -217,6 +164,16 @@ def _check_attn_bias(attn_bias: object, B: int, H: int, T: int, S: int) -> None:
         raise ValueError(
             f"attn_bias of shape {_shape(attn_bias)} is not broadcastable to {[B, H, T, S]}"
         )
+
+
+def _check_scale(scale: object) -> float:
+    """A finite positive score multiplier (bools, NaN, 0, negatives and inf refused: inf turns
+    every score into +-inf and the softmax into NaN)."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a float or None, got {scale!r} ({type(scale).__name__})")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number (or None), got {scale}")
+    return float(scale)
 
 
 @dataclass(frozen=True)
@@ -279,13 +236,12 @@ def _resolve(args: dict[str, Any]) -> _Call:
     if isinstance(mask, StructuredMask):
         mask.validate(B, H, T, S, query.device)
     elif mask is not None:
-        validate_mask(mask, B, H, T, S, query.device)
+        # Every backend sees 4-D masks and biases: a 1-D [S] one is [1, 1, 1, S].
+        mask = as_4d(validate_mask(mask, B, H, T, S, query.device))  # [B|1, H|1, T|1, S]
     if attn_bias is not None:
         _check_attn_bias(attn_bias, B, H, T, S)
-    if scale is None:
-        scale = 1.0 / math.sqrt(Dh)
-    elif not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
+        attn_bias = as_4d(attn_bias)  # [B|1, H|1, T|1, S|1]
+    scale = 1.0 / math.sqrt(Dh) if scale is None else _check_scale(scale)
     choice: BackendChoice | None = None
     refusal: str | None = None
     try:
@@ -431,10 +387,13 @@ def attention(
 
     Raises:
         TypeError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that is not a
-            float tensor, block sizes that are not ints, or both ``attn_bias`` and ``bias``.
+            float tensor, a scale or block sizes of the wrong type (bools included), or both
+            ``attn_bias`` and ``bias``.
         ValueError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that does
-            not broadcast, an unknown backend, a non-positive scale or block size, a structured
-            mask that does not fit, ``need_weights`` with the fused or blockwise backend.
+            not broadcast, an unknown backend, a scale that is not finite and positive, a
+            non-positive block size, a structured mask that does not fit (a ``Dense`` part is
+            checked like a tensor mask, never cropped), ``need_weights`` with the fused or
+            blockwise backend.
     """
     # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
     # parameters above are the one list of them (explain_backend binds the same names).

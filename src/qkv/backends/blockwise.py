@@ -199,19 +199,22 @@ class _Ctx:
         self.plan = plan
         self.blocks = plan.blocks  # (block_q, block_k)
 
+    def tile_mask(self, t: Bounds, device: torch.device) -> TileMask:
+        """The mask of tile ``t``: kept from planning, else asked of the rule."""
+        tm = self.masks.get(t)
+        if tm is None:
+            tm = FULL if self.mask is None else self.mask.tile(Tile(*self.shape, *t, device))
+        return tm
+
     def scores(
-        self, qi: Tensor, k: Tensor, attn_bias: Tensor | None, t: Bounds, buf: Tensor
+        self, qi: Tensor, k: Tensor, attn_bias: Tensor | None, t: Bounds, buf: Tensor, tm: TileMask
     ) -> Tensor:
-        """Masked scores of one tile, written into ``buf``; ``qi`` is already scaled."""
+        """Masked scores of one tile (mask ``tm``), written into ``buf``; ``qi`` is scaled."""
         s = _view(buf, (qi.shape[0], qi.shape[1], t[1] - t[0], t[3] - t[2]))  # [B, H, bq, bk]
-        torch.matmul(qi, k[:, :, t[2] : t[3]].transpose(-2, -1), out=s)  # [B, H, bq, bk]
+        torch.matmul(qi, k.transpose(-2, -1), out=s)  # [B, H, bq, bk]
         b = bias_tile(attn_bias, *t)
         if b is not None:
             s.add_(b)  # [B, H, bq, bk]
-        tm = self.masks.get(t)
-        if tm is None:
-            tile = Tile(*self.shape, *t, qi.device)
-            tm = FULL if self.mask is None else self.mask.tile(tile)
         if isinstance(tm, Tensor):
             s.masked_fill_(tm, float("-inf"))  # [B, H, bq, bk]
         return s
@@ -220,6 +223,19 @@ class _Ctx:
         nk = math.ceil(self.shape[3] / self.blocks[1])
         index = (t[0] // self.blocks[0]) * nk + t[2] // self.blocks[1]
         return _dropout_keep(self.seed, index, shape, self.dropout_p, like)
+
+
+def _tile_kv(k: Tensor, v: Tensor, t: Bounds, tm: TileMask) -> tuple[Tensor, Tensor]:
+    """Tile ``t``'s keys and values, zeroed where ``tm`` blocks a key for every row of the tile.
+
+    Such a key's probabilities are 0, but ``0 * NaN`` is NaN: a NaN or inf at a padded position
+    would otherwise reach the output through ``p @ v`` and the gradients through ``ds @ k``.
+    """
+    kj, vj = k[:, :, t[2] : t[3]], v[:, :, t[2] : t[3]]  # [B, H, bk, Dh], [B, H, bk, Dv]
+    if not isinstance(tm, Tensor):
+        return kj, vj
+    dead = tm.all(dim=2)[..., None]  # [B|1, H|1, bk, 1]
+    return kj.masked_fill(dead, 0.0), vj.masked_fill(dead, 0.0)
 
 
 def _view(buf: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -233,8 +249,10 @@ def _workspace(q: Tensor, c: _Ctx) -> Tensor:
     Reusing it is not only tidy: a fresh multi-megabyte tensor per tile costs page faults that
     take longer than the tile's arithmetic on CPU.
     """
-    B, H = c.shape[0], c.shape[1]
-    return torch.empty(B * H * c.blocks[0] * c.blocks[1], dtype=q.dtype, device=q.device)
+    B, H, T, S = c.shape
+    # No tile is larger than the grid: block_q=10**9 must not allocate 10**9 rows.
+    bq, bk = min(c.blocks[0], T), min(c.blocks[1], S)
+    return torch.empty(B * H * bq * bk, dtype=q.dtype, device=q.device)
 
 
 class _BlockwiseFunction(torch.autograd.Function):
@@ -257,7 +275,9 @@ class _BlockwiseFunction(torch.autograd.Function):
             l_sum = torch.zeros(B, H, q1 - q0, dtype=q.dtype, device=q.device)  # [B, H, bq]
             acc = torch.zeros(B, H, q1 - q0, Dv, dtype=q.dtype, device=q.device)  # [B, H, bq, Dv]
             for t in row:
-                s = c.scores(qi, k, attn_bias, t, buf)  # [B, H, bq, bk], updated in place
+                tm = c.tile_mask(t, q.device)
+                kj, vj = _tile_kv(k, v, t, tm)  # [B, H, bk, Dh], [B, H, bk, Dv]
+                s = c.scores(qi, kj, attn_bias, t, buf, tm)  # [B, H, bq, bk], in place
                 m_new = torch.maximum(m, s.amax(dim=-1))  # [B, H, bq]
                 # Rows with every key so far blocked keep m = -inf; shift them by 0 instead.
                 m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # [B, H, bq]
@@ -266,11 +286,12 @@ class _BlockwiseFunction(torch.autograd.Function):
                 l_sum.mul_(alpha).add_(p.sum(dim=-1))  # [B, H, bq]
                 if drop:
                     p = p.mul_(c.keep(t, tuple(p.shape), p)).div_(1.0 - c.dropout_p)
-                acc.mul_(alpha[..., None]).add_(torch.matmul(p, v[:, :, t[2] : t[3]]))
+                acc.mul_(alpha[..., None]).add_(torch.matmul(p, vj))  # [B, H, bq, Dv]
                 m = m_new
             dead = l_sum == 0  # [B, H, bq]: every key blocked
             l_safe = l_sum.masked_fill(dead, 1.0)  # [B, H, bq]
-            out[:, :, q0:q1] = acc / l_safe[..., None]  # [B, H, bq, Dv]
+            # masked_fill: a NaN value that a dead row's zero probabilities met stays out
+            out[:, :, q0:q1] = (acc / l_safe[..., None]).masked_fill(dead[..., None], 0.0)
             m_fin = m.masked_fill(torch.isneginf(m), 0.0)  # [B, H, bq]
             lse[:, :, q0:q1] = (m_fin + torch.log(l_safe)).masked_fill(dead, 0.0)
         ctx.save_for_backward(q, k, v, attn_bias, out, lse)
@@ -302,8 +323,9 @@ class _BlockwiseFunction(torch.autograd.Function):
             dq_i = torch.zeros_like(qi)  # [B, H, bq, Dh]
             for t in row:
                 k0, k1 = t[2], t[3]
-                p = c.scores(qi, k, attn_bias, t, buf_s).sub_(lse_i).exp_()  # [B, H, bq, bk]
-                vj = v[:, :, k0:k1]  # [B, H, bk, Dv]
+                tm = c.tile_mask(t, q.device)
+                kj, vj = _tile_kv(k, v, t, tm)  # [B, H, bk, Dh], [B, H, bk, Dv]
+                p = c.scores(qi, kj, attn_bias, t, buf_s, tm).sub_(lse_i).exp_()  # [B,H,bq,bk]
                 dp = _view(buf_dp, tuple(p.shape))  # [B, H, bq, bk]
                 torch.matmul(do_i, vj.transpose(-2, -1), out=dp)  # [B, H, bq, bk]
                 if drop:
@@ -314,7 +336,7 @@ class _BlockwiseFunction(torch.autograd.Function):
                     p_used = p
                 dv[:, :, k0:k1] += torch.matmul(p_used.transpose(-2, -1), do_i)  # [B, H, bk, Dv]
                 ds = dp.sub_(delta_i).mul_(p)  # [B, H, bq, bk]
-                dq_i += torch.matmul(ds, k[:, :, k0:k1])  # [B, H, bq, Dh]
+                dq_i += torch.matmul(ds, kj)  # [B, H, bq, Dh]
                 dk[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), qi)  # [B, H, bk, Dh]
                 if dbias is not None:
                     dims = [d for d in range(4) if dbias.shape[d] == 1]
@@ -324,6 +346,19 @@ class _BlockwiseFunction(torch.autograd.Function):
                     dbias[:, :, qs, ks] += red
             dq[:, :, q0:q1] = dq_i * c.scale
         return dq, dk, dv, dbias, None
+
+
+class _DroppedAll(torch.autograd.Function):
+    """Attention with ``dropout_p=1``: zeros ``[B, H, T, Dv]``, zero gradients for every input."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, attn_bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(q, k, v, attn_bias)
+        return q.new_zeros(*q.shape[:3], v.shape[3])  # [B, H, T, Dv]
+
+    @staticmethod
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        return tuple(None if x is None else torch.zeros_like(x) for x in ctx.saved_tensors)
 
 
 def blockwise_attention(
@@ -378,7 +413,11 @@ def blockwise_attention(
     work = compute_dtype(out_dtype)
     p = dropout_p if training else 0.0
     if p >= 1.0:
-        return torch.zeros(B, H, T, value.shape[3], dtype=out_dtype, device=query.device)
+        # Every weight dropped: output 0, gradients 0, but still part of the graph (as the
+        # other backends), so that backward() works.
+        zeros = _DroppedAll.apply(query, key, value, attn_bias)
+        assert isinstance(zeros, Tensor)
+        return zeros
     if p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
     c = _Ctx(mask, (B, H, T, S), scale, p, dropout_seed or 0, plan)

@@ -10,7 +10,9 @@ at the edge and patches the two places where results would differ:
   mask, otherwise the bottom-right causal mask is materialized.
 - fully masked rows: SDPA would produce NaN (or an undefined value) for a row with every key
   blocked. Such rows are unblocked before the call and their output set to 0 after it, which
-  also gives them zero, finite gradients, as in the reference.
+  also gives them zero, finite gradients, as in the reference. Keys blocked for every query are
+  zeroed first (:func:`~qkv.backends.reference.drop_blocked_keys`), so a NaN or inf at a padded
+  position cannot reach the scores. Both with tensor ops, no data-dependent branch.
 - low precision: float16/bfloat16 are upcast to float32 before the call (no trust in how the
   kernel accumulates), and the result is cast back.
 
@@ -24,15 +26,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.backends.reference import compute_dtype
+from qkv.backends.reference import compute_dtype, drop_blocked_keys
 from qkv.masks import causal_mask
 
 __all__ = ["fused_attention", "uses_sdpa_is_causal"]
 
 
+def _python_bool(x: object) -> bool:
+    """A Python bool even for a ``SymBool`` of symbolic shapes, which SDPA's flags refuse (and
+    ``bool()`` keeps symbolic under torch.compile): the ``if`` makes the tracer guard on it."""
+    if x:  # noqa: SIM103 (``return bool(x)`` stays a SymBool under torch.compile)
+        return True
+    return False
+
+
 def uses_sdpa_is_causal(T: int, S: int, mask: object, attn_bias: object, is_causal: bool) -> bool:
-    """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag."""
-    return is_causal and T == S and mask is None and attn_bias is None
+    """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag.
+
+    Always a Python bool, also when ``T == S`` is a ``SymBool`` (see :func:`_python_bool`).
+    """
+    return _python_bool(is_causal and mask is None and attn_bias is None and T == S)
 
 
 def fused_attention(
@@ -71,12 +84,12 @@ def fused_attention(
         causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
         mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
     dead: Tensor | None = None
+    k, v = drop_blocked_keys(key, value, mask)  # [B, Hkv, S, Dh|Dv]
     if mask is not None:
+        # Tensor ops only, no `if dead.any()`: that would wait for the device on every call and
+        # break torch.export / torch.compile(fullgraph=True).
         dead = mask.all(dim=-1, keepdim=True)  # [B|1, H|1, T|1, 1]
-        if bool(dead.any()):
-            mask = mask & ~dead  # [B|1, H|1, T, S]: SDPA sees dead rows unblocked
-        else:
-            dead = None
+        mask = mask & ~dead  # [B|1, H|1, T, S]: SDPA sees dead rows unblocked
     with torch.autocast(device_type=query.device.type, enabled=False):
         attn_mask: Tensor | None = None
         if attn_bias is not None:
@@ -87,13 +100,13 @@ def fused_attention(
             attn_mask = ~mask  # [B|1, H|1, T, S], SDPA's True = may attend
         out = F.scaled_dot_product_attention(
             query.to(work),
-            key.to(work),
-            value.to(work),
+            k.to(work),
+            v.to(work),
             attn_mask=attn_mask,
             dropout_p=dropout_p if training else 0.0,
             is_causal=sdpa_causal,
             scale=scale,
-            enable_gqa=key.shape[1] != query.shape[1],
+            enable_gqa=_python_bool(key.shape[1] != query.shape[1]),
         )  # [B, H, T, Dv]
         if dead is not None:
             out = out.masked_fill(dead, 0.0)  # [B, H, T, Dv]

@@ -32,6 +32,34 @@ def expand_kv_heads(x: Tensor, num_heads: int) -> Tensor:
     return x.repeat_interleave(groups, dim=1)  # [B, H, S, D]
 
 
+def drop_blocked_keys(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Zero the keys and values that ``mask`` blocks for every query of their sample and head.
+
+    A blocked key gets weight 0, but ``0 * NaN`` and ``0 * inf`` are NaN: without this a NaN or
+    inf at a padded position would reach every output row through ``weights @ V`` (and through
+    SDPA's scores). With it, such keys never influence any output or gradient, whatever their
+    value. Tensor ops only (no data-dependent branch), so it traces and compiles.
+
+    Args:
+        key: ``[B, Hkv, S, Dh]``.
+        value: ``[B, Hkv, S, Dv]``.
+        mask: bool broadcastable to ``[B, H, T, S]`` (H a multiple of Hkv), True = blocked, or
+            None.
+
+    Returns:
+        ``(key, value)``, the blocked positions set to 0 (the inputs themselves when no mask).
+    """
+    if mask is None:
+        return key, value
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [B|1, H|1, T|1, S]
+    dead = m.all(dim=2)  # [B|1, H|1, S]: blocked for every query
+    Hm, Hkv = dead.shape[1], key.shape[1]
+    if Hm != 1 and Hm != Hkv:
+        dead = dead.unflatten(1, (Hkv, Hm // Hkv)).all(dim=2)  # [B|1, Hkv, S]
+    dead = dead[..., None]  # [B|1, Hkv|1, S, 1]
+    return key.masked_fill(dead, 0.0), value.masked_fill(dead, 0.0)
+
+
 def reference_attention(
     query: Tensor,
     key: Tensor,
@@ -56,14 +84,16 @@ def reference_attention(
 
     Returns:
         ``(output [B, H, T, Dv], weights [B, H, T, S])`` in the input dtype; the weights are the
-        ones multiplied with V (after dropout).
+        ones multiplied with V (after dropout). Rows with every key blocked are 0, and keys
+        blocked for every query never influence anything (:func:`drop_blocked_keys`).
     """
     out_dtype = query.dtype
     work = compute_dtype(out_dtype)
     with torch.autocast(device_type=query.device.type, enabled=False):
         q = query.to(work)  # [B, H, T, Dh]
-        k = expand_kv_heads(key.to(work), q.shape[1])  # [B, H, S, Dh]
-        v = expand_kv_heads(value.to(work), q.shape[1])  # [B, H, S, Dv]
+        k, v = drop_blocked_keys(key.to(work), value.to(work), mask)  # [B, Hkv, S, Dh|Dv]
+        k = expand_kv_heads(k, q.shape[1])  # [B, H, S, Dh]
+        v = expand_kv_heads(v, q.shape[1])  # [B, H, S, Dv]
         scores = torch.matmul(q * scale, k.transpose(-2, -1))  # [B, H, T, S]
         if attn_bias is not None:
             scores = scores + attn_bias.to(work)  # [B, H, T, S]
@@ -76,5 +106,6 @@ def reference_attention(
         weights = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)  # [B, H, T, S]
         if training and dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p, training=True)  # [B, H, T, S]
-        out = torch.matmul(weights, v)  # [B, H, T, Dv]
+        # masked_fill, not a multiply: a NaN value a dead row's zero weights meet stays out
+        out = torch.matmul(weights, v).masked_fill(dead, 0.0)  # [B, H, T, Dv]
     return out.to(out_dtype), weights.to(out_dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qkv.checks import checks_values
 from qkv.masks.builders import _check_bool, _check_tensor
 
 __all__ = [
@@ -96,16 +97,25 @@ def from_mha_attn_mask(attn_mask: Tensor, batch_size: int, num_heads: int) -> Te
     return reshape_mha_attn_mask(m, batch_size, num_heads)
 
 
-def from_hf(attention_mask: Tensor) -> Tensor:
+def from_hf(attention_mask: Tensor, *, validate: bool = True) -> Tensor:
     """Hugging Face ``attention_mask`` ``[B, S]`` (1 = keep, 0 = padding) to ``[B, 1, 1, S]``.
 
+    Args:
+        attention_mask: the mask, bool or numeric.
+        validate: check that it holds only 0 and 1 (a host sync); skipped anyway while tracing
+            or compiling (see :func:`qkv.checks.checks_values`).
+
+    Returns:
+        bool ``[B, 1, 1, S]``, True = padding.
+
     Raises:
-        ValueError: not 2-D, or values other than 0 and 1.
+        ValueError: not 2-D, or (when values are checked) values other than 0 and 1.
     """
     m = _check_tensor("attention_mask", attention_mask)
     if m.dim() != 2:
         raise ValueError(f"attention_mask must be [B, S], got shape {tuple(m.shape)}")
-    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+    values = m.dtype != torch.bool and checks_values(validate)
+    if values and not bool(((m == 0) | (m == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (keep)")
     return (m == 0)[:, None, None, :]  # [B, 1, 1, S]
 

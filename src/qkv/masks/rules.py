@@ -27,6 +27,7 @@ from torch import Tensor
 
 from qkv.checks import check_positive_int
 from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask, query_offset, resolve_alignment
+from qkv.masks.validate import as_4d, validate_mask
 
 
 class StructuredMask:
@@ -244,6 +245,20 @@ class Padding(StructuredMask):
     def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
         return B, 1, 1, S
 
+    def materialize(
+        self, B: int, H: int, T: int, S: int, device: torch.device | None = None
+    ) -> Tensor:
+        """As :meth:`StructuredMask.materialize`, ``[B, 1, 1, S]``, but with tensor ops only:
+        models build their padding masks here in every forward, so no tile is classified (that
+        reads the mask on the host and cannot be traced)."""
+        dev = torch.device("cpu") if device is None else device
+        self.validate(B, H, T, S, dev)
+        if self.is_pad is not None:
+            return self.is_pad[:, None, None, :]  # [B, 1, 1, S]
+        assert self.lengths is not None
+        blocked = torch.arange(S, device=dev)[None, :] >= self.lengths[:, None]  # [B, S]
+        return blocked[:, None, None, :]  # [B, 1, 1, S]
+
     def tile(self, tile: Tile) -> TileMask:
         if self.is_pad is not None:
             blocked = self.is_pad[:, tile.k0 : tile.k1]  # [B, bk]
@@ -337,6 +352,8 @@ class MaskMod(StructuredMask):
 
     Raises:
         TypeError: ``mask_mod`` is not callable, or returns something other than a bool tensor.
+        ValueError: (when a tile is asked for) it returns a tensor that does not broadcast to
+            the tile, e.g. a fixed ``[T, S]`` tensor instead of one computed from the indices.
     """
 
     def __init__(self, mask_mod: ModFn, *, name: str | None = None) -> None:
@@ -358,11 +375,19 @@ class MaskMod(StructuredMask):
         if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
             got = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
             raise TypeError(f"mask_mod {self.name} must return a bool tensor, got {got}")
-        blocked = ~keep  # [B|1, H|1, bq|1, bk|1]
-        if blocked.dim() != 4:
-            lead = (1,) * (4 - blocked.dim())
-            blocked = blocked.reshape(lead + tuple(blocked.shape))  # [B|1, H|1, bq|1, bk|1]
         bq, bk = tile.q1 - tile.q0, tile.k1 - tile.k0
+        grid = (tile.B, tile.H, bq, bk)
+        try:
+            fits = keep.dim() <= 4 and torch.broadcast_shapes(keep.shape, grid) == grid
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"mask_mod {self.name} returned shape {tuple(keep.shape)}, which does not "
+                f"broadcast to the tile's [B, H, bq, bk] = {list(grid)}: compute it from the "
+                "index tensors it is given (e.g. q_idx >= kv_idx), not as a fixed-shape tensor"
+            )
+        blocked = as_4d(~keep)  # [B|1, H|1, bq|1, bk|1]
         return _classify(blocked.expand(blocked.shape[0], blocked.shape[1], bq, bk))
 
 
@@ -440,6 +465,9 @@ class Dense(StructuredMask):
 
     def __repr__(self) -> str:
         return f"Dense({list(self.mask.shape)})"
+
+    def validate(self, B: int, H: int, T: int, S: int, device: torch.device) -> None:
+        validate_mask(self.mask, B, H, T, S, device, name=f"Dense mask {list(self.mask.shape)}")
 
     def mask_shape(self, B: int, H: int, T: int, S: int) -> tuple[int, int, int, int]:
         return self.mask.shape[0], self.mask.shape[1], T, S

@@ -218,6 +218,7 @@ class BertEncoder(nn.Module):
         token_type_ids: Tensor | None = None,
         *,
         padding_mask: Tensor | None = None,
+        validate: bool = True,
     ) -> Tensor:
         """Encode a batch.
 
@@ -229,6 +230,8 @@ class BertEncoder(nn.Module):
             token_type_ids: ``[B, T]`` segment ids (default: all 0).
             padding_mask: qkv's spelling of the same padding, as every qkv model takes it: bool
                 ``[B, T]``, True = padding. Give this or ``attention_mask``, not both.
+            validate: check the id and ``attention_mask`` values (a host sync per call);
+                False, or tracing / compiling, skips it (see :func:`qkv.checks.checks_values`).
 
         Returns:
             ``[B, T, D]`` last hidden states.
@@ -245,7 +248,7 @@ class BertEncoder(nn.Module):
             got = list(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
             raise ValueError(f"input_ids must be [B, T], got {got}")
         B, T = input_ids.shape
-        check_ids("input_ids", input_ids, cfg.vocab_size, field="vocab_size")
+        check_ids("input_ids", input_ids, cfg.vocab_size, field="vocab_size", validate=validate)
         if cfg.max_position_embeddings < T:
             raise ValueError(
                 f"input_ids has T={T} tokens but max_position_embeddings="
@@ -259,18 +262,19 @@ class BertEncoder(nn.Module):
             cfg.type_vocab_size,
             field="type_vocab_size",
             shape=(B, T),
+            validate=validate,
         )
         if attention_mask is not None and padding_mask is not None:
             raise ValueError("give attention_mask (Hugging Face) or padding_mask (qkv), not both")
         mask = None
         if padding_mask is not None:
-            is_pad = key_padding(padding_mask, input_ids, "padding_mask")  # [B, T] or None
+            is_pad = key_padding(padding_mask, input_ids, "padding_mask", validate)  # [B, T]|None
             mask = None if is_pad is None else padding_mask_of(is_pad)  # [B, 1, 1, T]
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, T):
                 raise ValueError(
                     f"attention_mask must be [B, T] = {[B, T]}, got {list(attention_mask.shape)}"
                 )
-            mask = from_hf(attention_mask)  # [B, 1, 1, T], True = padding
+            mask = from_hf(attention_mask, validate=validate)  # [B, 1, 1, T], True = padding
         x = self.embeddings(input_ids, token_type_ids)  # [B, T, D]
         return self.encoder(x, mask)  # [B, T, D]

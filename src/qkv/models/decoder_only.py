@@ -125,6 +125,7 @@ class DecoderOnlyLM(nn.Module):
         kv_cache: KVCache | None = None,
         *,
         cache: KVCache | None = None,
+        validate: bool = True,
     ) -> Tensor:
         """Next-token logits at every position.
 
@@ -135,6 +136,8 @@ class DecoderOnlyLM(nn.Module):
                 ``pad_id`` is set, else no padding. Padding keys stay blocked in the cache.
             kv_cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
             cache: deprecated spelling of ``kv_cache`` (one release).
+            validate: check the id values (a host sync per call); False, or tracing /
+                compiling, skips it (see :func:`qkv.checks.checks_values`).
 
         Returns:
             logits ``[B, T, V]``.
@@ -145,9 +148,9 @@ class DecoderOnlyLM(nn.Module):
         """
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
-        check_ids("ids", ids, c.vocab_size, field="vocab_size")
+        check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
         T = ids.shape[1]
-        is_pad = padding_from_ids(ids, padding_mask, c.pad_id, "padding_mask")
+        is_pad = padding_from_ids(ids, padding_mask, c.pad_id, "padding_mask", validate)
         offset = 0
         if cache is not None:
             offset = cache.length

@@ -13,6 +13,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from qkv.checks import checks_values
 from qkv.nn.kv_cache import KVCache
 
 __all__ = ["check_ids", "key_padding", "padding_from_ids", "resolve_kv_cache"]
@@ -25,6 +26,7 @@ def check_ids(
     *,
     field: str = "vocab",
     shape: tuple[int, ...] | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Check a ``[B, L]`` integer token tensor.
 
@@ -34,13 +36,16 @@ def check_ids(
         vocab: ids must lie in ``[0, vocab)``.
         field: what ``vocab`` is called (a config field such as ``"type_vocab_size"``).
         shape: the exact shape wanted (default: any non-empty ``[B, L]``).
+        validate: check the id values too (a host sync); skipped anyway while tracing or
+            compiling (see :func:`qkv.checks.checks_values`). Dtype and shape are always checked.
 
     Returns:
         ``ids``.
 
     Raises:
         TypeError: not an int32/int64 tensor (what ``nn.Embedding`` takes).
-        ValueError: not 2-D, empty, not ``shape``, or ids outside ``[0, vocab)``.
+        ValueError: not 2-D, empty, not ``shape``, or (when values are checked) ids outside
+            ``[0, vocab)``.
     """
     if not isinstance(ids, Tensor) or ids.dtype not in (torch.int32, torch.int64):
         got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
@@ -49,6 +54,8 @@ def check_ids(
         raise ValueError(f"{name} must be [B, L] with B, L >= 1, got {tuple(ids.shape)}")
     if shape is not None and tuple(ids.shape) != shape:
         raise ValueError(f"{name} must be [B, L] = {list(shape)}, got {list(ids.shape)}")
+    if not checks_values(validate):
+        return ids
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab:
         raise ValueError(
@@ -57,15 +64,20 @@ def check_ids(
     return ids
 
 
-def key_padding(is_pad: Tensor | None, ids: Tensor, name: str) -> Tensor | None:
+def key_padding(
+    is_pad: Tensor | None, ids: Tensor, name: str, validate: bool = True
+) -> Tensor | None:
     """A ``[B, L]`` True = padding mask, checked against ``ids``; None when nothing is padding.
 
     Returning None when no position is padding keeps the mask out of the attention entirely.
+    Telling that reads the mask on the host, so it is done only where values are checked
+    (eagerly, ``validate=True``); otherwise the mask is returned as it is (same results).
 
     Args:
         is_pad: bool ``[B, L]``, True = padding, or None.
         ids: the ``[B, L]`` tokens it describes.
         name: the argument's name, for the message.
+        validate: see :func:`qkv.checks.checks_values`.
 
     Returns:
         ``is_pad``, or None.
@@ -83,11 +95,17 @@ def key_padding(is_pad: Tensor | None, ids: Tensor, name: str) -> Tensor | None:
         raise ValueError(
             f"{name} must have the token shape {tuple(ids.shape)}, got {tuple(is_pad.shape)}"
         )
+    if not checks_values(validate):
+        return is_pad
     return is_pad if bool(is_pad.any()) else None
 
 
 def padding_from_ids(
-    ids: Tensor, padding_mask: Tensor | None, pad_id: int | None, name: str
+    ids: Tensor,
+    padding_mask: Tensor | None,
+    pad_id: int | None,
+    name: str,
+    validate: bool = True,
 ) -> Tensor | None:
     """The padding of ``ids``: the caller's mask (checked), else ``ids == pad_id``.
 
@@ -96,6 +114,7 @@ def padding_from_ids(
         padding_mask: bool ``[B, L]``, True = padding, or None.
         pad_id: the padding token, or None (then no padding unless a mask is given).
         name: the mask argument's name, for the message.
+        validate: see :func:`qkv.checks.checks_values`.
 
     Returns:
         bool ``[B, L]``, or None when nothing is padding.
@@ -105,7 +124,7 @@ def padding_from_ids(
     """
     if padding_mask is None and pad_id is not None:
         padding_mask = ids == pad_id  # [B, L]
-    return key_padding(padding_mask, ids, name)
+    return key_padding(padding_mask, ids, name, validate)
 
 
 def resolve_kv_cache(kv_cache: KVCache | None, cache: KVCache | None) -> KVCache | None:

@@ -82,7 +82,9 @@ class Transformer(nn.Module):
         c = self.config
         return KVCache(c.num_decoder_layers, c.max_positions if capacity is None else capacity)
 
-    def source_padding(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor | None:
+    def source_padding(
+        self, src: Tensor, src_padding_mask: Tensor | None = None, *, validate: bool = True
+    ) -> Tensor | None:
         """Check ``src`` and give its padding: the caller's mask, else ``src == pad_id``.
 
         The one place the source padding is computed; :meth:`forward` and
@@ -91,6 +93,8 @@ class Transformer(nn.Module):
         Args:
             src: source ids ``[B, S]``.
             src_padding_mask: bool ``[B, S]``, True = padding, or None.
+            validate: check the id values (a host sync per call); False, or tracing /
+                compiling, skips it (see :func:`qkv.checks.checks_values`).
 
         Returns:
             bool ``[B, S]``, or None when nothing is padding.
@@ -98,15 +102,19 @@ class Transformer(nn.Module):
         Raises:
             TypeError / ValueError: bad ids or mask.
         """
-        check_ids("src", src, self.config.src_vocab_size, field="src_vocab_size")
-        return padding_from_ids(src, src_padding_mask, self.config.pad_id, "src_padding_mask")
+        c = self.config
+        check_ids("src", src, c.src_vocab_size, field="src_vocab_size", validate=validate)
+        return padding_from_ids(src, src_padding_mask, c.pad_id, "src_padding_mask", validate)
 
-    def encode(self, src: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
+    def encode(
+        self, src: Tensor, src_padding_mask: Tensor | None = None, *, validate: bool = True
+    ) -> Tensor:
         """Run the encoder.
 
         Args:
             src: source ids ``[B, S]``.
             src_padding_mask: bool ``[B, S]``, True = padding; None: ``src == config.pad_id``.
+            validate: as :meth:`source_padding`.
 
         Returns:
             memory ``[B, S, D]``.
@@ -114,7 +122,8 @@ class Transformer(nn.Module):
         Raises:
             TypeError / ValueError: bad ids or mask.
         """
-        return self.encode_padded(src, self.source_padding(src, src_padding_mask))
+        is_pad = self.source_padding(src, src_padding_mask, validate=validate)
+        return self.encode_padded(src, is_pad)
 
     def encode_padded(self, src: Tensor, is_pad: Tensor | None) -> Tensor:
         """Run the encoder on ids whose padding :meth:`source_padding` already gave.
@@ -141,6 +150,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         *,
         cache: KVCache | None = None,
+        validate: bool = True,
     ) -> Tensor:
         """Run the decoder and the head.
 
@@ -153,6 +163,7 @@ class Transformer(nn.Module):
             tgt_padding_mask: bool ``[B, T]``, True = padding; None: ``tgt == config.pad_id``.
             kv_cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
             cache: deprecated spelling of ``kv_cache`` (one release).
+            validate: as :meth:`source_padding`.
 
         Returns:
             logits ``[B, T, V]``.
@@ -163,14 +174,14 @@ class Transformer(nn.Module):
         """
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
-        check_ids("tgt", tgt, c.tgt_vocab_size, field="tgt_vocab_size")
+        check_ids("tgt", tgt, c.tgt_vocab_size, field="tgt_vocab_size", validate=validate)
         if memory.dim() != 3 or memory.shape[0] != tgt.shape[0] or memory.shape[2] != c.d_model:
             raise ValueError(
                 f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
                 f"got {tuple(memory.shape)}"
             )
         T = tgt.shape[1]
-        is_pad = padding_from_ids(tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask")
+        is_pad = padding_from_ids(tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", validate)
         offset = 0
         if cache is not None:
             offset = cache.length
@@ -183,7 +194,7 @@ class Transformer(nn.Module):
                     f"src_padding_mask must be [B, S] = {list(memory.shape[:2])}, "
                     f"got {tuple(src_padding_mask.shape)}"
                 )
-            src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask")
+            src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask", validate)
         memory_mask = None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
         x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
         x, pos = position_inputs(self.positional, x, offset, causal=True)
@@ -206,6 +217,8 @@ class Transformer(nn.Module):
         tgt: Tensor,
         src_padding_mask: Tensor | None = None,
         tgt_padding_mask: Tensor | None = None,
+        *,
+        validate: bool = True,
     ) -> Tensor:
         """Teacher-forced logits: ``decode(tgt, encode(src))``.
 
@@ -214,13 +227,14 @@ class Transformer(nn.Module):
             tgt: ``[B, T]`` ids (starting with ``bos_id``).
             src_padding_mask: bool ``[B, S]``, True = padding; None: derived from ``pad_id``.
             tgt_padding_mask: bool ``[B, T]``, True = padding; None: derived from ``pad_id``.
+            validate: as :meth:`source_padding`.
 
         Returns:
             logits ``[B, T, V]``.
         """
-        is_pad = self.source_padding(src, src_padding_mask)
+        is_pad = self.source_padding(src, src_padding_mask, validate=validate)
         memory = self.encode_padded(src, is_pad)  # [B, S, D]
-        return self.decode(tgt, memory, is_pad, tgt_padding_mask)
+        return self.decode(tgt, memory, is_pad, tgt_padding_mask, validate=validate)
 
     @torch.no_grad()
     def generate(

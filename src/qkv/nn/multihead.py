@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from qkv.checks import check_bool
+from qkv.checks import check_bool, check_positive_int
 from qkv.functional import Backend, attention
 from qkv.masks import Dense, StructuredMask, combine
 from qkv.masks.convert import reshape_mha_attn_mask
@@ -20,7 +20,11 @@ from qkv.nn.positional import apply_rotary
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["WEIGHTLESS_BACKENDS", "MultiHeadAttention"]
+
+WEIGHTLESS_BACKENDS = ("fused", "blockwise")
+"""Backends that compute no ``[B, H, T, S]`` weights; a module built for one defaults to
+``need_weights=False``."""
 
 
 # nn.MultiheadAttention's packed keys -> qkv's, for the state-dict pre-hook
@@ -127,9 +131,10 @@ class MultiHeadAttention(nn.Module):
             (detached) in ``last_weights``, for plots. Off by default: it costs the fast path.
 
     Raises:
+        TypeError: a size that is not an int (a bool included: ``num_heads=True`` is no count),
+            or a flag that is not a bool.
         ValueError: a width that does not divide, non-positive sizes, dropout outside [0, 1],
             ``add_bias_kv`` or ``add_zero_attn`` set.
-        TypeError: a flag that is not a bool.
     """
 
     # What PyTorch code reads on an nn.MultiheadAttention (nn.TransformerEncoderLayer's fast-path
@@ -167,9 +172,10 @@ class MultiHeadAttention(nn.Module):
             ("embed_dim", embed_dim),
             ("num_heads", num_heads),
             ("num_kv_heads", num_kv_heads),
+            ("kdim", embed_dim if kdim is None else kdim),
+            ("vdim", embed_dim if vdim is None else vdim),
         ):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            check_positive_int(name, val)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim={embed_dim} is not divisible by num_heads={num_heads} "
@@ -283,7 +289,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor | None = None,
         value: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
-        need_weights: bool = True,
+        need_weights: bool | None = None,
         attn_mask: Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
@@ -303,7 +309,10 @@ class MultiHeadAttention(nn.Module):
             value: ``[B, S, vdim]``, same layout; default ``key``.
             key_padding_mask: ``[B, S]`` (``[S]`` unbatched), bool True = ignore, or float
                 added to the scores (``nn.MultiheadAttention``'s senses).
-            need_weights: return the attention weights.
+            need_weights: return the attention weights. Default (None): True, as in
+                ``nn.MultiheadAttention``, unless the module was built for a backend that
+                cannot return them (``"fused"``, ``"blockwise"``): then False. True with such
+                a backend is a ValueError.
             attn_mask: ``[T, S]`` or ``[B * H, T, S]`` (``[H, T, S]`` unbatched) like PyTorch,
                 or 4-D broadcastable to ``[B, H, T, S]``; bool True = ignore, or float added
                 to the scores.
@@ -345,7 +354,8 @@ class MultiHeadAttention(nn.Module):
                     f"nn.MultiheadAttention's (query, key, value, key_padding_mask, "
                     f"need_weights, attn_mask, average_attn_weights, is_causal)"
                 )
-            check_bool(name, flag)
+            if flag is not None:  # need_weights=None: the backend's default, below
+                check_bool(name, flag)
         key = query if key is None else key
         value = key if value is None else value
         unbatched = isinstance(query, Tensor) and query.dim() == 2
@@ -388,6 +398,15 @@ class MultiHeadAttention(nn.Module):
             # bottom-right alignment puts a lone query at the newest position: it may see every
             # key, so the causal mask would block nothing (the common cached decoding step)
             is_causal = False
+        weightless = self.backend in WEIGHTLESS_BACKENDS
+        if need_weights is None:
+            need_weights = not weightless
+        elif need_weights and weightless:
+            raise ValueError(
+                f"need_weights=True, but this module was built with backend={self.backend!r}, "
+                "which returns no weights: call it with need_weights=False (or leave it unset), "
+                "or build it with backend='reference' or 'auto'"
+            )
         want_weights = need_weights or self.record_weights
         out, weights = attention(
             q,
