@@ -9,7 +9,13 @@ A block the test must not run is preceded by an HTML comment the reader never se
 
     <!-- readme-test: skip (why) -->
 
-and the reason is part of the marker; the test fails on a skip marker without a reason.
+and the reason is part of the marker; the test fails on a skip marker without a reason. A block
+that trains for minutes runs with smaller sizes instead, by substitutions in its marker::
+
+    <!-- readme-test: quick (--steps 2000 -> --steps 30; steps=800 -> steps=30) -->
+
+each ``A -> B`` replacing every ``A`` in the block (and failing the test if there is none), so
+the command the reader sees is the command that runs, only shorter.
 """
 
 from __future__ import annotations
@@ -24,20 +30,34 @@ import pytest
 
 README = Path(__file__).parents[1] / "README.md"
 _BLOCK = re.compile(
-    r"(?P<marker><!-- readme-test: skip(?P<why>[^>]*)-->\s*\n)?"
+    r"(?P<marker><!-- readme-test: (?P<kind>skip|quick)(?P<why>[^\n]*?)-->\s*\n)?"
     r"^```(?P<lang>\w*)\n(?P<body>.*?)^```",
     re.M | re.S,
 )
 _RUN = ("python", "bash", "console")
 
 
+def _quick(body: str, subs: str, line: int) -> str:
+    """``body`` with each ``A -> B`` of ``subs`` (``;``-separated) applied."""
+    for sub in subs.strip()[1:-1].split(";"):
+        old, new = (part.strip() for part in sub.split("->"))
+        assert old in body, f"README line {line}: quick substitution {old!r} matches nothing"
+        body = body.replace(old, new)
+    return body
+
+
 def _blocks() -> list[tuple[int, str, str, str | None]]:
+    """(line, language, body to run, skip reason or None) of every fenced block."""
     text = README.read_text(encoding="utf-8")
     out = []
     for m in _BLOCK.finditer(text):
         line = text.count("\n", 0, m.start("lang")) + 1
-        why = None if m.group("marker") is None else m.group("why").strip()
-        out.append((line, m.group("lang"), m.group("body"), why))
+        body, why = m.group("body"), None
+        if m.group("kind") == "skip":
+            why = m.group("why").strip()
+        elif m.group("kind") == "quick":
+            body = _quick(body, m.group("why"), line)
+        out.append((line, m.group("lang"), body, why))
     return out
 
 
@@ -47,6 +67,13 @@ BLOCKS = [b for b in _blocks() if b[1] in _RUN]
 def test_every_skip_has_a_reason() -> None:
     for line, _, _, why in _blocks():
         assert why is None or re.fullmatch(r"\(.+\)", why), f"README line {line}: {why!r}"
+
+
+def test_quick_substitutions_apply() -> None:
+    body = "qkv train --steps 2000\nqkv generate runs/text"
+    assert _quick(body, "(--steps 2000 -> --steps 30)", 1) == body.replace("2000", "30")
+    with pytest.raises(AssertionError, match="matches nothing"):
+        _quick(body, "(--nothing -> --steps 1)", 1)
 
 
 @pytest.fixture(scope="module")
