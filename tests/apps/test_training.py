@@ -80,7 +80,7 @@ def test_plot_writes_a_png_with_the_layer_by_head_grid(checkpoint: Path, tmp_pat
         torch_sums = layers[0].sum(-1)
         assert torch_sums.allclose(torch_sums.new_ones(())), "rows of attention weights sum to 1"
     fig = plot_attention(maps, title="x")
-    assert len(fig.axes) == 3 * 2  # rows: 3 kinds x 1 layer; columns: 2 heads
+    assert len(fig.axes) == 3 * 2 + 1  # rows: 3 kinds x 1 layer; columns: 2 heads; colour bar
     width, height = fig.get_size_inches() * fig.dpi
     image = mpimg.imread(png)
     assert image.shape[:2] == (round(height), round(width))

@@ -20,7 +20,7 @@ from qkv.apps.demo import print_demo, run_demo
 from qkv.apps.embed import embed, format_embed
 from qkv.apps.shapes import trace_attention_shapes, trace_model_shapes
 from qkv.apps.training import run_generate, run_train
-from qkv.apps.viz import KINDS, run_plot
+from qkv.apps.viz import DEFAULT_PNG, KINDS, run_plot
 from qkv.functional import BACKENDS
 from qkv.train.config import POSITIONALS, SCHEDULES, TASKS, TrainConfig
 
@@ -249,10 +249,23 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_plot_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv plot CHECKPOINT INPUT -o attn.png`` or ``qkv plot CHECKPOINT --positional``."""
+    """``qkv plot CHECKPOINT INPUT [-o attn.png] [--html attn.html]`` or
+    ``qkv plot CHECKPOINT --positional``."""
     p.add_argument("checkpoint", help="checkpoint directory (from qkv train)")
     p.add_argument("input", nargs="?", default=None, help="the input to decode and look at")
-    p.add_argument("-o", "--output", default="attn.png", help="PNG path")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help=f"PNG path (default: {DEFAULT_PNG}; with --html, a PNG only when -o is given)",
+    )
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="write one self-contained interactive page (no server, no network): pick kind, "
+        "layer and head, hover a cell for its query token, key token and weight",
+    )
     p.add_argument(
         "--kind",
         action="append",
@@ -384,7 +397,8 @@ _COMMANDS: tuple[tuple[str, str, str, _Adder, _Handler], ...] = (
     (
         "plot",
         "attention heatmaps (or --positional) of a checkpoint",
-        'qkv plot runs/reverse "abcdefgh" -o attention.png --kind cross',
+        'qkv plot runs/reverse "abcdefgh" -o attention.png --kind cross\n'
+        '  qkv plot runs/reverse "abcdefgh" --html attention.html',
         add_plot_arguments,
         run_plot,
     ),

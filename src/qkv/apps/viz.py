@@ -1,35 +1,44 @@
 """Attention heatmaps and the sinusoidal positional encoding, with matplotlib's Agg canvas, and
-what ``qkv plot`` runs on a checkpoint (decode an input, then draw its attention).
+what ``qkv plot`` runs on a checkpoint (decode an input, then draw its attention as a PNG, as an
+interactive HTML page, or both).
 
 Figures are built as ``matplotlib.figure.Figure`` on a ``FigureCanvasAgg``, never through
 ``pyplot``: no global backend switch, no display needed, nothing left open.
 
-:func:`attention_maps` runs one forward pass with ``record_weights = True`` on every
-:class:`~qkv.nn.multihead.MultiHeadAttention` of a model and collects the per-head weights;
+:func:`~qkv.apps.recording.attention_maps` records the per-head weights of one forward pass;
 :func:`plot_attention` draws them as a grid, one row per (kind, layer) and one column per head,
-with the tokens on the axes: rows of each heatmap are queries, columns keys.
+with the tokens on the axes (rows of each heatmap are queries, columns keys) and one colour bar
+for all of them; :mod:`qkv.apps.viz_html` writes the same maps as a page to explore.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from torch import Tensor, nn
+from torch import Tensor
 
-from qkv.nn.multihead import MultiHeadAttention
+from qkv.apps.recording import (
+    KINDS,
+    AttentionMaps,
+    attention_maps,
+    checkpoint_attention,
+    select_kinds,
+)
+from qkv.apps.viz_html import write_attention_page
 from qkv.nn.positional import sinusoidal_table
-from qkv.train.inference import generate_text, load_trained
+from qkv.train.inference import load_trained
 
 __all__ = [
+    "DEFAULT_PNG",
     "KINDS",
     "AttentionMaps",
     "attention_maps",
     "checkpoint_attention",
+    "grid_shape",
     "plot_attention",
     "plot_checkpoint",
     "plot_checkpoint_positional",
@@ -39,83 +48,23 @@ __all__ = [
     "sinusoidal_table",
 ]
 
-KINDS = ("encoder self", "decoder self", "cross")
+DEFAULT_PNG = "attn.png"
+"""Where ``qkv plot`` writes its PNG when neither ``-o`` nor ``--html`` is given."""
+
+# Figure space (inches) beside the grid for the colour bar, and above it for the title.
+_COLORBAR_INCHES = 1.0
+_TITLE_INCHES = 0.45
 
 
-@dataclass(frozen=True)
-class AttentionMaps:
-    """Per-layer attention weights of one example.
+def grid_shape(maps: AttentionMaps, kinds: tuple[str, ...] | None = None) -> tuple[int, int]:
+    """The (rows, columns) of :func:`plot_attention`'s grid: kinds x layers, heads.
 
-    Attributes:
-        weights: kind -> one ``[H, T, S]`` tensor per layer.
-        queries: kind -> the query tokens (rows).
-        keys: kind -> the key tokens (columns).
+    Raises:
+        ValueError: an unknown kind, one the model does not have, or no kinds at all.
     """
-
-    weights: dict[str, list[Tensor]]
-    queries: dict[str, list[str]]
-    keys: dict[str, list[str]]
-
-
-def _attn(module: nn.Module, name: str) -> MultiHeadAttention:
-    attn = getattr(module, name)
-    assert isinstance(attn, MultiHeadAttention)
-    return attn
-
-
-def _recorded(attn: MultiHeadAttention) -> Tensor:
-    if attn.last_weights is None:
-        raise RuntimeError("a MultiHeadAttention recorded no weights during the forward pass")
-    return attn.last_weights[0]  # [H, T, S]
-
-
-@torch.no_grad()
-def attention_maps(
-    model: nn.Module, src: Tensor | None, tgt: Tensor, tokens: dict[str, list[str]]
-) -> AttentionMaps:
-    """Record every attention of one forward pass.
-
-    Args:
-        model: a ``Transformer`` (``src`` given) or a ``DecoderOnlyLM`` (``src=None``).
-        src: source ids ``[1, S]`` (encoder-decoder) or None.
-        tgt: decoder input ids ``[1, T]`` (``<bos>`` + output), or the LM's ids.
-        tokens: ``{"src": [...], "tgt": [...]}`` labels for the axes.
-
-    Returns:
-        The maps; for a decoder-only model only ``"decoder self"``.
-    """
-    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    before = [m.record_weights for m in modules]
-    was_training = model.training
-    model.eval()
-    try:
-        for m in modules:
-            m.record_weights, m.last_weights = True, None
-        if src is not None:
-            model(src, tgt)  # [1, T, V]
-            enc = list(model.get_submodule("encoder.layers").children())
-            dec = list(model.get_submodule("decoder.layers").children())
-            weights = {
-                "encoder self": [_recorded(_attn(layer, "self_attn")) for layer in enc],
-                "decoder self": [_recorded(_attn(layer, "self_attn")) for layer in dec],
-                "cross": [_recorded(_attn(layer, "cross_attn")) for layer in dec],
-            }
-        else:
-            model(tgt)  # [1, T, V]
-            layers = list(model.get_submodule("layers").children())
-            weights = {"decoder self": [_recorded(_attn(layer, "self_attn")) for layer in layers]}
-    finally:
-        for m, flag in zip(modules, before, strict=True):
-            m.record_weights = flag
-        model.train(was_training)
-    src_tok, tgt_tok = tokens.get("src", []), tokens["tgt"]
-    queries = {"encoder self": src_tok, "decoder self": tgt_tok, "cross": tgt_tok}
-    keys = {"encoder self": src_tok, "decoder self": tgt_tok, "cross": src_tok}
-    return AttentionMaps(
-        weights=weights,
-        queries={k: queries[k] for k in weights},
-        keys={k: keys[k] for k in weights},
-    )
+    kinds = select_kinds(maps, kinds)
+    rows = sum(len(maps.weights[k]) for k in kinds)
+    return rows, max(w.shape[0] for k in kinds for w in maps.weights[k])
 
 
 def plot_attention(
@@ -126,46 +75,59 @@ def plot_attention(
     dpi: int = 100,
     title: str | None = None,
 ) -> Figure:
-    """A grid of heatmaps: one row per (kind, layer), one column per head.
+    """A grid of heatmaps: one row per (kind, layer), one column per head, one colour bar.
+
+    Each heatmap's rows are the query tokens (axis title "query"), its columns the key tokens
+    ("key"); every map uses the same scale, 0 white to 1 dark, shown once by the colour bar on
+    the right. Matplotlib's constrained layout places the title above the panel titles and the
+    tick labels between the panels, so nothing overlaps.
 
     Args:
-        maps: from :func:`attention_maps`.
+        maps: from :func:`~qkv.apps.recording.attention_maps`.
         kinds: which kinds to draw, in order (default: all present).
         cell_inches: side of one heatmap (default grows with the number of tokens).
-        dpi: resolution; the PNG is ``columns * cell * dpi`` wide, ``rows * cell * dpi`` high.
+        dpi: resolution; the PNG is ``(columns * cell + 1) * dpi`` wide and
+            ``(rows * cell + title) * dpi`` high (title: 0.45 inch when given, else 0).
         title: figure title.
 
     Returns:
-        The figure; ``figure.axes`` holds exactly rows x columns heatmaps (no colour bar: every
-        map uses the same scale, 0 white to 1 dark).
+        The figure; ``figure.axes`` holds the rows x columns heatmaps (row by row), then the
+        colour bar.
 
     Raises:
-        ValueError: an unknown kind or one the model does not have.
+        ValueError: an unknown kind, one the model does not have, or no kinds at all.
     """
-    kinds = tuple(maps.weights) if kinds is None else kinds
-    for kind in kinds:
-        if kind not in maps.weights:
-            raise ValueError(f"kind {kind!r} not available; this model has {tuple(maps.weights)}")
+    kinds = select_kinds(maps, kinds)
     rows = [(kind, i, w) for kind in kinds for i, w in enumerate(maps.weights[kind])]
-    H = max(w.shape[0] for _, _, w in rows)
+    _, H = grid_shape(maps, kinds)
     longest = max(max(len(maps.queries[k]), len(maps.keys[k])) for k in kinds)
     cell = cell_inches if cell_inches is not None else max(1.8, 0.16 * longest + 0.9)
-    fig = Figure(figsize=(H * cell, len(rows) * cell), dpi=dpi)
+    size = (H * cell + _COLORBAR_INCHES, len(rows) * cell + (_TITLE_INCHES if title else 0.0))
+    fig = Figure(figsize=size, dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(rows), H, squeeze=False)
     font = max(4.0, min(8.0, 90.0 / max(1, longest)))
+    image = None
     for r, (kind, layer, w) in enumerate(rows):
         q_tok, k_tok = maps.queries[kind], maps.keys[kind]
         for h in range(H):
             ax = axes[r][h]
-            ax.imshow(w[h].float().numpy(), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
+            if h >= w.shape[0]:  # a kind with fewer heads than the widest row
+                ax.set_axis_off()
+                continue
+            image = ax.imshow(w[h].float().numpy(), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
             ax.set_title(f"{kind} L{layer} H{h}", fontsize=font + 1)
             ax.set_xticks(range(len(k_tok)), k_tok, fontsize=font, rotation=90)
             ax.set_yticks(range(len(q_tok)), q_tok, fontsize=font)
             ax.tick_params(length=0, pad=1)
+            ax.set_xlabel("key", fontsize=font)
+            ax.set_ylabel("query", fontsize=font)
+    assert image is not None  # every row has at least one head
+    bar = fig.colorbar(image, ax=axes, fraction=0.9 / (H * cell + _COLORBAR_INCHES), aspect=40)
+    bar.set_label("attention weight", fontsize=font + 1)
+    bar.ax.tick_params(labelsize=font)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     return fig
 
 
@@ -193,28 +155,6 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     return path
 
 
-def checkpoint_attention(checkpoint: str | Path, text: str) -> tuple[AttentionMaps, str]:
-    """Greedy-decode ``text`` with the checkpoint, then record the attention of the forward pass
-    that reproduces the decoded output (teacher-forced on it).
-
-    Returns:
-        The maps and the decoded output.
-
-    Raises:
-        ValueError / CheckpointError: as :func:`qkv.train.inference.generate_text` and
-            :func:`qkv.train.inference.load_trained`.
-    """
-    model, task, _ = load_trained(checkpoint)
-    gen = generate_text(model, task, text)
-    src, tgt = task.teacher_forced_ids(text, gen.ids)
-    tokens = {"tgt": [task.vocab.token(i) for i in tgt]}
-    if src is not None:
-        tokens["src"] = [task.vocab.token(i) for i in src]
-    src_ids = None if src is None else torch.tensor([src])  # [1, S]
-    maps = attention_maps(model, src_ids, torch.tensor([tgt]), tokens)  # tgt: [1, T]
-    return maps, gen.text
-
-
 def plot_checkpoint(
     checkpoint: str | Path, text: str, out: str | Path, kinds: tuple[str, ...] | None = None
 ) -> tuple[Path, str, tuple[int, int]]:
@@ -222,13 +162,13 @@ def plot_checkpoint(
 
     Returns:
         The PNG path, the decoded output, and the grid's (rows, columns).
+
+    Raises:
+        ValueError: an unknown kind; see :func:`~qkv.apps.recording.checkpoint_attention`.
     """
     maps, output = checkpoint_attention(checkpoint, text)
     fig = plot_attention(maps, kinds, title=f"{text!r} -> {output!r}")
-    shown = tuple(maps.weights) if kinds is None else kinds
-    rows = sum(len(maps.weights[k]) for k in shown)
-    cols = max(w.shape[0] for k in shown for w in maps.weights[k])
-    return save_figure(fig, out), output, (rows, cols)
+    return save_figure(fig, out), output, grid_shape(maps, kinds)
 
 
 def plot_checkpoint_positional(
@@ -257,20 +197,39 @@ def plot_checkpoint_positional(
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    """``qkv plot`` (arguments parsed by :mod:`qkv.apps.cli`): write the PNG, say where it is.
+    """``qkv plot`` (arguments parsed by :mod:`qkv.apps.cli`): decode once, write the PNG
+    (``-o``; :data:`DEFAULT_PNG` when neither ``-o`` nor ``--html`` is given) and / or the
+    interactive page (``--html``), say where they are.
 
     Raises:
-        ValueError: no ``input`` without ``--positional``; see :func:`plot_checkpoint`.
+        ValueError: no ``input`` without ``--positional``; ``--html`` with ``--positional``;
+            see :func:`plot_checkpoint`.
     """
     torch.set_num_threads(args.threads)
     if args.positional:
-        path = plot_checkpoint_positional(args.checkpoint, args.output, args.length)
+        if args.html is not None:
+            raise ValueError(
+                f"--html writes the attention page of an INPUT; it does not go with --positional "
+                f"(got --html {args.html})"
+            )
+        path = plot_checkpoint_positional(args.checkpoint, args.output or DEFAULT_PNG, args.length)
         print(f"positional encoding written to {path}")
         return 0
     if args.input is None:
         raise ValueError("qkv plot needs an INPUT to decode (or --positional)")
     kinds = None if args.kind is None else tuple(args.kind)
-    path, output, (rows, cols) = plot_checkpoint(args.checkpoint, args.input, args.output, kinds)
-    print(f"{args.input!r} -> {output!r}")
-    print(f"attention grid ({rows} rows: kind x layer, {cols} columns: heads) written to {path}")
+    maps, output = checkpoint_attention(args.checkpoint, args.input)
+    title = f"{args.input!r} -> {output!r}"
+    rows, cols = grid_shape(maps, kinds)  # checks the kinds before anything is written
+    print(title)
+    if args.output is not None or args.html is None:
+        path = save_figure(plot_attention(maps, kinds, title=title), args.output or DEFAULT_PNG)
+        print(
+            f"attention grid ({rows} rows: kind x layer, {cols} columns: heads) written to {path}"
+        )
+    if args.html is not None:
+        page = write_attention_page(maps, args.html, kinds, title)
+        print(
+            f"interactive attention page (pick kind, layer, head; hover a cell) written to {page}"
+        )
     return 0
