@@ -24,13 +24,16 @@ from qkv.integrations.transformers import register
 IMPLS = ("sdpa", "qkv")
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
+def _medians_s(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function, the functions interleaved in every repeat (so
+    a slow phase of the machine hits all of them alike)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -72,16 +75,16 @@ def main() -> None:
         for i in IMPLS:  # warm-up
             bert[i](**batch)
             llama[i].generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        s_bert = {i: 0.0 for i in IMPLS}
-        s_llama = {i: 0.0 for i in IMPLS}
-        for i in IMPLS:
-            s_bert[i] = _median_s(lambda i=i: bert[i](**batch), repeats)
-            s_llama[i] = _median_s(
-                lambda i=i: llama[i].generate(
+        s_bert = _medians_s({i: lambda i=i: bert[i](**batch) for i in IMPLS}, repeats)
+        s_llama = _medians_s(
+            {
+                i: lambda i=i: llama[i].generate(
                     prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False
-                ),
-                repeats,
-            )
+                )
+                for i in IMPLS
+            },
+            repeats,
+        )
     for i in IMPLS:
         rows.append((i, n / s_bert[i], prompt.shape[0] * new / s_llama[i]))
     print(f"{'impl':6} {'MiniLM sentences/s':>20} {'tiny Llama tokens/s':>20}")

@@ -200,6 +200,13 @@ def test_save_hf_names_what_llama_cannot_express(tmp_path: Path) -> None:
     ours = DecoderOnlyLM(DecoderOnlyConfig(V, num_layers=1, d_model=16, num_heads=2))
     with pytest.raises(ValueError, match=r"activation='gelu'.*norm='layer'"):
         save_hf(ours, tmp_path)
+    llama_like = {"activation": "swiglu", "norm": "rms", "qkv_bias": False, "out_bias": False}
+    inter = DecoderOnlyConfig(
+        V, num_layers=1, d_model=16, num_heads=2, rope_layout="interleaved", **llama_like
+    )
+    with pytest.raises(ValueError, match=r"rope_layout='interleaved' \(Llama needs 'half_split'"):
+        save_hf(DecoderOnlyLM(inter), tmp_path)
+    assert not (tmp_path / "config.json").exists()
     with pytest.raises(TypeError, match="DecoderOnlyLM"):
         save_hf(torch.nn.Linear(2, 2), tmp_path)  # type: ignore[arg-type]
 
@@ -218,6 +225,9 @@ def test_bad_checkpoints_are_named(tmp_path: Path) -> None:
     weights = load_file(root / "model.safetensors")
     with pytest.raises(ValueError, match=r"model_type='t5' is not supported"):
         load_hf(_rewrite(root, config={**cfg, "model_type": "t5"}))
+    with pytest.raises(ValueError, match=r"model_type='gptj' is not supported"):
+        load_hf(_rewrite(root, config={**cfg, "model_type": "gptj"}))  # interleaved, partial RoPE
+    assert load_hf(_rewrite(root, config=cfg)).config.rope_layout == "half_split"
     scaled = {**cfg, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
     with pytest.raises(ValueError, match=r"rope_type='linear'"):
         load_hf(_rewrite(root, config=scaled))

@@ -230,14 +230,24 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv generate CHECKPOINT INPUT [--beam N] ...``."""
-    p.add_argument("checkpoint", help="checkpoint directory (from qkv train)")
-    p.add_argument("input", help="the input sequence (or the prompt of a text model)")
+    p.add_argument(
+        "checkpoint",
+        help="checkpoint directory (from qkv train), or a Hugging Face save_pretrained directory "
+        "of a llama / qwen2 / mistral / gpt2 decoder (config.json + safetensors)",
+    )
+    p.add_argument(
+        "input",
+        help="the input sequence (or the prompt of a text model); for a Hugging Face directory "
+        "the prompt text, encoded with its tokenizer.json, or space-separated token ids when it "
+        'has none ("1 15 7")',
+    )
     p.add_argument("--beam", type=_positive, default=1, help="beam width (1: greedy)")
     p.add_argument(
         "--max-new-tokens",
         type=_positive,
         default=None,
-        help="most tokens to generate (default: the task's longest output)",
+        help="most tokens to generate (default: the task's longest output; 32 for a Hugging "
+        "Face directory)",
     )
     p.add_argument("--sample", action="store_true", help="text models: sample, not argmax")
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="--sample: temperature")
@@ -389,8 +399,9 @@ _COMMANDS: tuple[tuple[str, str, str, _Adder, _Handler], ...] = (
     ),
     (
         "generate",
-        "decode an input with a checkpoint",
-        'qkv generate runs/reverse "abcdefg" --beam 3',
+        "decode an input with a checkpoint (or a Hugging Face decoder directory)",
+        'qkv generate runs/reverse "abcdefg" --beam 3\n'
+        '  qkv generate path/to/save_pretrained_llama "Once upon a time"',
         add_generate_arguments,
         run_generate,
     ),

@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from qkv.train.config import TrainConfig
-from qkv.train.inference import generate_text, load_trained
+from qkv.train.inference import (
+    Generation,
+    checkpoint_kind,
+    generate_hf,
+    generate_text,
+    load_hf_decoder,
+    load_trained,
+)
 from qkv.train.loop import RunOptions, train
 
 __all__ = ["resume_command", "run_generate", "run_train"]
@@ -89,13 +96,10 @@ def run_train(args: argparse.Namespace) -> int:
     return code
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    """``qkv generate``: print the decoded output and tokens/s (timed after one untimed warm-up
-    decode, so the speed is the steady state rather than one-off first-call costs)."""
-    torch.set_num_threads(args.threads)
+def _generate_qkv(args: argparse.Namespace) -> Generation:
     model, task, _ = load_trained(args.checkpoint)
     generate_text(model, task, args.input, beam_size=args.beam, max_new_tokens=args.max_new_tokens)
-    gen = generate_text(
+    return generate_text(
         model,
         task,
         args.input,
@@ -106,6 +110,38 @@ def run_generate(args: argparse.Namespace) -> int:
         greedy=not args.sample,
         seed=args.seed,
     )
+
+
+def _generate_hf(args: argparse.Namespace) -> Generation:
+    if args.beam != 1:
+        raise ValueError(
+            f"--beam {args.beam}: a Hugging Face decoder decodes greedily or by sampling"
+        )
+    model, tokenizer = load_hf_decoder(args.checkpoint)
+
+    def run() -> Generation:
+        return generate_hf(
+            model,
+            tokenizer,
+            args.input,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            greedy=not args.sample,
+            seed=args.seed,
+        )
+
+    run()  # warm-up
+    return run()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``qkv generate``: print the decoded output and tokens/s (timed after one untimed warm-up
+    decode, so the speed is the steady state rather than one-off first-call costs). The
+    checkpoint is a qkv checkpoint or a Hugging Face decoder directory (:func:`checkpoint_kind`)."""
+    torch.set_num_threads(args.threads)
+    hf = checkpoint_kind(args.checkpoint) == "hf"
+    gen = _generate_hf(args) if hf else _generate_qkv(args)
     print(gen.text)
     mode = f"beam {args.beam}" if args.beam > 1 else ("sampled" if args.sample else "greedy")
     print(

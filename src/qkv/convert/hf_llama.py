@@ -97,6 +97,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
         layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         positional="rotary",
         rope_theta=_rope_theta(hf, source),
+        rope_layout="half_split",  # HF's rotate_half; Meta's interleaved weights come permuted
         max_positions=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,

@@ -15,7 +15,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
 from qkv.checks import (
     check_bool,
@@ -25,7 +25,7 @@ from qkv.checks import (
 )
 from qkv.nn.feed_forward import ACTIVATIONS, Activation
 from qkv.nn.norms import NORMS, NormKind
-from qkv.nn.positions import POSITIONALS, Positional
+from qkv.nn.positions import POSITIONALS, ROPE_LAYOUTS, Positional, RopeLayout
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -40,11 +40,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T", bound=type)
-
-RopeLayout = Literal["half_split"]
-ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("half_split",)
-"""How rotary embeddings pair the head dims: ``"half_split"`` rotates ``(x[i], x[i + Dh/2])``
-(GPT-NeoX, Hugging Face Llama). Meta's interleaved pairs ``(x[2i], x[2i+1])`` are not built."""
 
 
 class ConfigDict:
@@ -128,7 +123,9 @@ class ModelConfig(ConfigDict):
         out_bias: a bias on the attention's output projection.
         ffn_bias: biases in the feed-forward blocks.
         rope_theta: the rotary wavelength base (``positional="rotary"``).
-        rope_layout: which head dims rotary embeddings rotate together (:data:`ROPE_LAYOUTS`).
+        rope_layout: which head dims rotary embeddings rotate together: ``"half_split"``
+            ``(x[i], x[i + Dh/2])`` (Hugging Face Llama) or ``"interleaved"`` ``(x[2i], x[2i+1])``
+            (GPT-J, Meta's original Llama); see :data:`qkv.nn.positional.ROPE_LAYOUTS`.
 
     Raises:
         TypeError / ValueError: in ``__post_init__``, naming the first bad field and its value.

@@ -89,7 +89,12 @@ class DecoderOnlyLM(nn.Module):
         D = c.d_model
         self.embed = nn.Embedding(c.vocab_size, D)
         self.positional = make_positional(
-            c.positional, D, c.num_heads, c.max_positions, rope_theta=c.rope_theta
+            c.positional,
+            D,
+            c.num_heads,
+            c.max_positions,
+            rope_theta=c.rope_theta,
+            rope_layout=c.rope_layout,
         )
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = Encoder(

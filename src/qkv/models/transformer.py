@@ -51,7 +51,12 @@ class Transformer(nn.Module):
         self.src_embed = nn.Embedding(c.src_vocab_size, D)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
         self.positional = make_positional(
-            c.positional, D, c.num_heads, c.max_positions, rope_theta=c.rope_theta
+            c.positional,
+            D,
+            c.num_heads,
+            c.max_positions,
+            rope_theta=c.rope_theta,
+            rope_layout=c.rope_layout,
         )
         self.embed_dropout = nn.Dropout(c.dropout)
         layer_kw = c.layer_kwargs()

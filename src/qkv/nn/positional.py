@@ -7,7 +7,8 @@ permutes the encoder output. Each scheme here breaks that symmetry differently:
 * **sinusoidal** (Vaswani et al. 2017) and **learned** absolute encodings are *added* to the
   token embeddings once, before the first layer;
 * **rotary** (RoPE, Su et al. 2021) *rotates* each query and key head vector by an angle
-  proportional to its position, in every layer, so that ``q_i · k_j`` depends on ``i - j``;
+  proportional to its position, in every layer, so that ``q_i · k_j`` depends on ``i - j``; two
+  layouts pair the head dims differently (:data:`ROPE_LAYOUTS`);
 * **ALiBi** (Press et al. 2021) adds ``-slope_h · |i - j|`` to the attention scores of head ``h``
   (passed to :func:`qkv.attention` as ``bias=``).
 
@@ -20,13 +21,16 @@ Shapes: B batch, T length (new tokens), S key length, D model width, H heads, Dh
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "ROPE_LAYOUTS",
     "ALiBi",
     "LearnedPositionalEmbedding",
+    "RopeLayout",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "alibi_bias",
@@ -134,8 +138,28 @@ class LearnedPositionalEmbedding(nn.Module):
 # --- rotary -------------------------------------------------------------------------------------
 
 
+RopeLayout = Literal["half_split", "interleaved"]
+ROPE_LAYOUTS: tuple[RopeLayout, ...] = ("half_split", "interleaved")
+"""Which head dims rotary embeddings rotate together, frequency ``i`` of ``Dh/2``:
+
+* ``"half_split"``: the pair ``(x[i], x[i + Dh/2])`` (GPT-NeoX, Hugging Face Llama / Qwen2 /
+  Mistral);
+* ``"interleaved"``: the pair ``(x[2i], x[2i + 1])`` (the RoFormer paper, GPT-J, Meta's original
+  Llama code).
+
+The two give the same attention up to a fixed permutation of each head's query/key dims (which
+is how Hugging Face converts Meta's weights). The tables of :func:`rotary_cos_sin` carry the
+layout in their width: ``Dh`` for ``"half_split"`` (each angle twice, the "rotate half" form),
+``Dh/2`` for ``"interleaved"`` (one angle per pair), and :func:`apply_rotary` pairs the dims
+accordingly."""
+
+
 def rotary_cos_sin(
-    positions: Tensor, head_dim: int, *, base: float = 10000.0
+    positions: Tensor,
+    head_dim: int,
+    *,
+    base: float = 10000.0,
+    layout: RopeLayout = "half_split",
 ) -> tuple[Tensor, Tensor]:
     """Cosines and sines of the RoPE angles ``p · base^(-2i/Dh)`` for each position.
 
@@ -143,19 +167,24 @@ def rotary_cos_sin(
         positions: integer ``[T]``.
         head_dim: Dh, even.
         base: the wavelength base.
+        layout: one of :data:`ROPE_LAYOUTS`.
 
     Returns:
-        ``(cos, sin)``, each float32 ``[T, Dh]`` (the ``Dh/2`` frequencies repeated twice, the
-        "rotate half" layout of GPT-NeoX and Hugging Face LLaMA).
+        ``(cos, sin)``, each float32: ``[T, Dh]`` for ``"half_split"`` (the ``Dh/2`` frequencies
+        repeated twice, the "rotate half" layout of GPT-NeoX and Hugging Face Llama), ``[T, Dh/2]``
+        for ``"interleaved"`` (one angle per pair ``(x[2i], x[2i + 1])``).
 
     Raises:
-        ValueError: odd ``head_dim``.
+        ValueError: odd ``head_dim``, unknown ``layout``.
     """
     if head_dim % 2 != 0:
         raise ValueError(f"rotary embeddings need an even head width, got head_dim={head_dim}")
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"rope layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [Dh/2]
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, Dh]
+    if layout == "half_split":
+        angles = torch.cat([angles, angles], dim=-1)  # [T, Dh]
     return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
 
 
@@ -165,19 +194,36 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each pair ``(x[i], x[i + Dh/2])`` by its position's angle.
+    """Rotate each pair of head dims by its position's angle, in the tables' layout.
+
+    Tables ``Dh`` wide (``"half_split"``) rotate ``(x[i], x[i + Dh/2])``; tables ``Dh/2`` wide
+    (``"interleaved"``) rotate ``(x[2i], x[2i + 1])``: ``(a, b) -> (a cos - b sin, a sin + b cos)``
+    either way. The choice is by static shape, so it traces and exports.
 
     Args:
         x: ``[B, H, T, Dh]`` queries or keys.
-        cos: ``[T, Dh]`` from :func:`rotary_cos_sin`.
-        sin: ``[T, Dh]``.
+        cos: ``[T, Dh]`` or ``[T, Dh/2]`` from :func:`rotary_cos_sin`.
+        sin: the same shape as ``cos``.
 
     Returns:
         ``[B, H, T, Dh]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: tables neither ``Dh`` nor ``Dh/2`` wide.
     """
     cos = cos.to(x.dtype)
     sin = sin.to(x.dtype)
-    return x * cos + _rotate_half(x) * sin  # [B, H, T, Dh]
+    Dh = x.shape[-1]
+    if cos.shape[-1] == Dh:
+        return x * cos + _rotate_half(x) * sin  # [B, H, T, Dh]
+    if 2 * cos.shape[-1] == Dh:
+        a, b = x.unflatten(-1, (Dh // 2, 2)).unbind(-1)  # 2 x [B, H, T, Dh/2]
+        pairs = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)  # [B, H, T, Dh/2, 2]
+        return pairs.flatten(-2)  # [B, H, T, Dh]
+    raise ValueError(
+        f"rotary tables of width {cos.shape[-1]} do not fit head width {Dh} "
+        f"(expected {Dh} for 'half_split' or {Dh // 2} for 'interleaved')"
+    )
 
 
 class RotaryEmbedding(nn.Module):
@@ -190,30 +236,40 @@ class RotaryEmbedding(nn.Module):
         head_dim: Dh, even.
         max_positions: the longest sequence.
         base: the wavelength base.
+        layout: one of :data:`ROPE_LAYOUTS`.
 
     Raises:
-        ValueError: odd ``head_dim``.
+        ValueError: odd ``head_dim``, unknown ``layout``.
     """
 
     cos: Tensor
     sin: Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, *, base: float = 10000.0) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        *,
+        base: float = 10000.0,
+        layout: RopeLayout = "half_split",
+    ) -> None:
         super().__init__()
         self.max_positions = max_positions
         self.head_dim = head_dim
-        cos, sin = rotary_cos_sin(torch.arange(max_positions), head_dim, base=base)
+        self.layout = layout
+        cos, sin = rotary_cos_sin(torch.arange(max_positions), head_dim, base=base, layout=layout)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, T: int, offset: int = 0) -> tuple[Tensor, Tensor]:
-        """Returns ``(cos, sin)``, each ``[T, Dh]``, for positions ``offset .. offset + T - 1``.
+        """Returns ``(cos, sin)``, each ``[T, Dh]`` (``[T, Dh/2]`` interleaved), for positions
+        ``offset .. offset + T - 1``.
 
         Raises:
             ValueError: positions beyond ``max_positions``.
         """
         _check_span(offset, T, self.max_positions, "rotary positions")
-        return self.cos[offset : offset + T], self.sin[offset : offset + T]  # [T, Dh] each
+        return self.cos[offset : offset + T], self.sin[offset : offset + T]  # [T, Dh(/2)] each
 
 
 # --- ALiBi --------------------------------------------------------------------------------------

@@ -14,13 +14,23 @@ from typing import Literal
 from torch import Tensor, nn
 
 from qkv.nn.positional import (
+    ROPE_LAYOUTS,
     ALiBi,
     LearnedPositionalEmbedding,
+    RopeLayout,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
 
-__all__ = ["POSITIONALS", "LayerPositions", "Positional", "make_positional", "position_inputs"]
+__all__ = [
+    "POSITIONALS",
+    "ROPE_LAYOUTS",
+    "LayerPositions",
+    "Positional",
+    "RopeLayout",
+    "make_positional",
+    "position_inputs",
+]
 
 Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "none"]
 POSITIONALS: tuple[Positional, ...] = ("sinusoidal", "learned", "rotary", "alibi", "none")
@@ -41,6 +51,7 @@ def make_positional(
     max_positions: int,
     *,
     rope_theta: float = 10000.0,
+    rope_layout: RopeLayout = "half_split",
 ) -> nn.Module | None:
     """The module for ``positional=kind``, or None for ``"none"``.
 
@@ -50,19 +61,22 @@ def make_positional(
         num_heads: H (rotary tables are per head width, ALiBi slopes per head).
         max_positions: the longest sequence the tables cover.
         rope_theta: the rotary wavelength base (``"rotary"`` only).
+        rope_layout: which head dims rotate together (``"rotary"`` only; :data:`ROPE_LAYOUTS`).
 
     Returns:
         The positional module, or None.
 
     Raises:
-        ValueError: unknown kind.
+        ValueError: unknown kind or rope layout.
     """
     if kind == "sinusoidal":
         return SinusoidalPositionalEncoding(d_model, max_positions)
     if kind == "learned":
         return LearnedPositionalEmbedding(d_model, max_positions)
     if kind == "rotary":
-        return RotaryEmbedding(d_model // num_heads, max_positions, base=rope_theta)
+        return RotaryEmbedding(
+            d_model // num_heads, max_positions, base=rope_theta, layout=rope_layout
+        )
     if kind == "alibi":
         return ALiBi(num_heads)
     if kind == "none":

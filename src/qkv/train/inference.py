@@ -1,19 +1,45 @@
-"""Decode with a trained checkpoint: what ``qkv generate`` runs."""
+"""Decode with a trained checkpoint or a Hugging Face decoder: what ``qkv generate`` runs."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
-from qkv.train.checkpoint import Checkpoint, CheckpointError, build_model, load_checkpoint
+from qkv.convert.hf_load import load_hf
+from qkv.models.decoder_only import DecoderOnlyLM
+from qkv.train.checkpoint import (
+    FORMAT,
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    build_model,
+    load_checkpoint,
+)
 from qkv.train.task import DecodeOptions, Task
 from qkv.train.tasks import task_from_spec
 
-__all__ = ["Generation", "generate_text", "load_trained"]
+__all__ = [
+    "HF_DEFAULT_NEW_TOKENS",
+    "TOKENIZER_FILE",
+    "Generation",
+    "checkpoint_kind",
+    "generate_hf",
+    "generate_text",
+    "load_hf_decoder",
+    "load_trained",
+]
+
+TOKENIZER_FILE = "tokenizer.json"
+HF_DEFAULT_NEW_TOKENS = 32
+"""Tokens a Hugging Face decoder generates when ``max_new_tokens`` is not given (at most what
+fits in its ``max_position_embeddings``)."""
 
 
 def load_trained(path: str | Path) -> tuple[nn.Module, Task, Checkpoint]:
@@ -96,4 +122,140 @@ def generate_text(
         ids=new,
         seconds=seconds,
         tokens_per_s=len(new) / seconds if seconds > 0 else 0.0,
+    )
+
+
+def checkpoint_kind(path: str | Path) -> Literal["qkv", "hf"]:
+    """Whether ``path`` is a qkv checkpoint (``config.json`` with qkv's manifest ``format``) or a
+    Hugging Face ``save_pretrained`` directory (``config.json`` with a ``model_type``).
+
+    Paths this cannot decide (no directory, a ``config.json`` that does not parse, pickle files)
+    count as qkv's, so that :func:`load_trained` says precisely what is wrong with them.
+
+    Raises:
+        ValueError: a directory that is clearly neither (no ``config.json``, or one with neither
+            key).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        return "qkv"
+    try:
+        data = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        data = None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return "qkv"
+    if isinstance(data, dict) and data.get("format") == FORMAT:
+        return "qkv"
+    if isinstance(data, dict) and "model_type" in data:
+        return "hf"
+    if any(root.glob("*.bin")) or any(root.glob("*.pt")):
+        return "qkv"  # load_checkpoint explains why pickles are refused
+    why = (
+        f"it has no {MANIFEST}"
+        if data is None
+        else f"its {MANIFEST} has neither 'format': {FORMAT!r} nor a 'model_type'"
+    )
+    raise ValueError(
+        f"{str(root)!r} is neither a qkv checkpoint nor a Hugging Face save_pretrained "
+        f"directory: {why}"
+    )
+
+
+def load_hf_decoder(path: str | Path) -> tuple[DecoderOnlyLM, Tokenizer | None]:
+    """A Hugging Face decoder directory as a qkv :class:`DecoderOnlyLM` (eval mode, float32) and
+    its ``tokenizer.json`` when there is one.
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`qkv.convert.load_hf`; a model that does not
+            generate (``bert``); a ``tokenizer.json`` that ``tokenizers`` cannot read.
+    """
+    root = Path(path)
+    model = load_hf(root)
+    if not isinstance(model, DecoderOnlyLM):
+        raise ValueError(
+            f"{str(root)!r} holds a {type(model).__name__}, an encoder, which does not generate "
+            "(qkv embed uses it); qkv generate needs a llama, qwen2, mistral or gpt2 directory"
+        )
+    file = root / TOKENIZER_FILE
+    if not file.is_file():
+        return model, None
+    try:
+        return model, Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises plain Exceptions for malformed files
+        raise ValueError(f"{file} is not a tokenizer file tokenizers can read: {err}") from None
+
+
+def _prompt_ids(prompt: str, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    if tokenizer is not None:
+        ids = list(tokenizer.encode(prompt).ids)
+        if not ids:
+            raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
+        return ids
+    words = prompt.split()
+    bad = [w for w in words if not w.isdigit() or int(w) >= vocab_size]
+    if not words or bad:
+        raise ValueError(
+            f"without a {TOKENIZER_FILE} the prompt must be space-separated token ids in "
+            f"[0, {vocab_size}), got {prompt!r}" + (f" (bad: {' '.join(bad[:5])})" if bad else "")
+        )
+    return [int(w) for w in words]
+
+
+def generate_hf(
+    model: DecoderOnlyLM,
+    tokenizer: Tokenizer | None,
+    prompt: str,
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    greedy: bool = True,
+    seed: int = 0,
+) -> Generation:
+    """Continue ``prompt`` with a model from :func:`load_hf_decoder`, KV-cached, and time it.
+
+    Args:
+        model: the decoder.
+        tokenizer: encodes the prompt and decodes the output; None: the prompt is space-separated
+            token ids and the output is printed as ids.
+        prompt: text, or ids (see ``tokenizer``).
+        max_new_tokens: default :data:`HF_DEFAULT_NEW_TOKENS`, at most what fits in the model's
+            ``max_positions``; generation also stops after the config's ``eos_token_id``.
+        temperature: sampling temperature (when not ``greedy``).
+        top_k: sample among the k likeliest (when not ``greedy``).
+        greedy: argmax decoding instead of sampling.
+        seed: the sampling generator's seed.
+
+    Returns:
+        The :class:`Generation` (``text``: the continuation only).
+
+    Raises:
+        ValueError: an empty prompt, ids outside the vocabulary (no tokenizer), a prompt that
+            leaves no room in ``max_positions``; see :meth:`DecoderOnlyLM.generate`.
+    """
+    c = model.config
+    ids = _prompt_ids(prompt, tokenizer, c.vocab_size)
+    n = max_new_tokens
+    if n is None:
+        n = min(HF_DEFAULT_NEW_TOKENS, c.max_positions - len(ids))
+        if n < 1:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens: no room left in max_positions={c.max_positions}"
+            )
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),  # [1, P]
+            n,
+            temperature=temperature,
+            top_k=top_k,
+            greedy=greedy,
+            generator=torch.Generator().manual_seed(seed),
+        )  # [1, P + n']
+    seconds = time.perf_counter() - t0
+    new = [int(i) for i in out[0, len(ids) :].tolist()]
+    text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
+    return Generation(
+        text=text, ids=new, seconds=seconds, tokens_per_s=len(new) / seconds if seconds > 0 else 0.0
     )
