@@ -124,16 +124,16 @@ class _ExactBackward(torch.autograd.Function):
             None if x is None or not need else x.detach().requires_grad_()
             for x, need in zip(inputs, ctx.needs_input_grad[:4], strict=True)
         ]
-        given = [
+        q, k, v, b = (
             x.detach() if leaf is None and x is not None else leaf
             for x, leaf in zip(inputs, leaves, strict=True)
-        ]
+        )
+        assert q is not None and k is not None and v is not None
         if ctx.is_causal:
             T, S = query.shape[2], key.shape[2]
             causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
             mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
         with torch.enable_grad():
-            q, k, v, b = given
             out, _ = reference_attention(q, k, v, mask, b, ctx.scale, 0.0, False)  # [B, H, T, Dv]
             wanted = [x for x in leaves if x is not None]
             grads = iter(torch.autograd.grad(out, wanted, d_out))
