@@ -21,7 +21,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from qkv.apps.embed import default_model_dir
-from qkv.convert import load_bert
+from qkv.convert import hf_bert, load_bert
 from qkv.convert.hf_bert import (
     IGNORED_PREFIXES,
     KEY_MAP,
@@ -221,7 +221,10 @@ def test_integer_weight_is_a_type_error(good: tuple) -> None:
     ("change", "message"),
     [
         ({"num_hidden_layers": 1}, r"layers \[1\] lie beyond config.json's num_hidden_layers=1"),
-        ({"num_hidden_layers": 3}, r"16 missing key\(s\): encoder\.layer\.2\."),
+        (
+            {"num_hidden_layers": 3},
+            r"num_hidden_layers=3 but the checkpoint holds 2 layer\(s\) .*: 1 layer\(s\) missing",
+        ),
         (
             {"hidden_size": 32, "num_attention_heads": 4},
             r"word_embeddings\.weight has shape \[60, 16\], expected \[60, 32\]",
@@ -240,6 +243,41 @@ def test_config_not_matching_the_weights(
     config = {**_config(good[0]), **change}
     with pytest.raises(ValueError, match=message):
         load_bert(_copy(good[0], tmp_path, config=config))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_hidden_layers": 20_000},
+        {"num_hidden_layers": 20_000, "hidden_size": 2**20, "intermediate_size": 2**22},
+        {"vocab_size": 25_000_000},
+    ],
+)
+def test_huge_config_is_refused_from_the_headers_before_building_anything(
+    good: tuple, tmp_path: Path, change: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """config.json is not hashed: its sizes are compared with the weights' safetensors headers
+    before any tensor is read or model built (a 20,000-layer config took 30 s to refuse, building
+    every layer on the meta device). Only a one-layer encoder on meta may be built to know the
+    shapes."""
+    built: list[tuple[int, object]] = []
+    real = hf_bert.BertEncoder
+
+    def spy(config: object, **kwargs: object) -> object:
+        built.append((config.num_hidden_layers, kwargs.get("device")))  # type: ignore[attr-defined]
+        return real(config, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf_bert, "BertEncoder", spy)
+    monkeypatch.setattr(hf_bert, "read_tensors", lambda *a: pytest.fail("read before checked"))
+    config = {**_config(good[0]), **change}
+    root = _copy(good[0], tmp_path, config=config)
+    with pytest.raises(ValueError, match="does not fit its config") as err:
+        read_bert_checkpoint(root)
+    assert built == [(1, "meta")]
+    if "num_hidden_layers" in change:
+        assert "num_hidden_layers=20000 but the checkpoint holds 2 layer(s)" in str(err.value)
+    else:
+        assert "expected [25000000, 16]" in str(err.value)
 
 
 def test_config_without_a_size_names_it(good: tuple, tmp_path: Path) -> None:

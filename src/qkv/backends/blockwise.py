@@ -5,7 +5,7 @@ This is the FlashAttention algorithm written with PyTorch ops. Queries are cut i
 mask (a :class:`qkv.masks.StructuredMask`) whether it is fully blocked (skipped),
 fully open (computed with no mask) or partial (its own small mask). The forward keeps a running
 max ``m`` and sum ``l`` per query row, so memory is O(block_q · block_k) for the tile plus
-O(T + S) for the rows, never O(T · S). It saves only the output and the row logsumexp; the
+O(T + S) for the rows, never O(T · S). It saves only the output and the row max and sum; the
 backward recomputes each tile's probabilities from them (FlashAttention-2), in a custom
 :class:`torch.autograd.Function` rather than autograd over the loop.
 
@@ -263,7 +263,12 @@ class _BlockwiseFunction(torch.autograd.Function):
         B, H, T, _ = q.shape
         Dv = v.shape[3]
         out = torch.zeros(B, H, T, Dv, dtype=q.dtype, device=q.device)  # [B, H, T, Dv]
-        lse = torch.zeros(B, H, T, dtype=q.dtype, device=q.device)  # [B, H, T]
+        # The row max and sum, kept apart: exp(s - m) / l is as exact as a softmax, while
+        # exp(s - (m + log l)) loses eps·|m| of every probability to lse's rounding (sharp
+        # softmax: |m| is large), which made the gradients up to 3x less exact than a naive
+        # float32 formula's (benchmarks/float32_error.py).
+        row_max = torch.zeros(B, H, T, dtype=q.dtype, device=q.device)  # [B, H, T]
+        row_sum = torch.ones(B, H, T, dtype=q.dtype, device=q.device)  # [B, H, T]
         drop = c.dropout_p > 0.0
         buf = _workspace(q, c)
         for row in c.plan.tiles:
@@ -293,14 +298,15 @@ class _BlockwiseFunction(torch.autograd.Function):
             # masked_fill: a NaN value that a dead row's zero probabilities met stays out
             out[:, :, q0:q1] = (acc / l_safe[..., None]).masked_fill(dead[..., None], 0.0)
             m_fin = m.masked_fill(torch.isneginf(m), 0.0)  # [B, H, bq]
-            lse[:, :, q0:q1] = (m_fin + torch.log(l_safe)).masked_fill(dead, 0.0)
-        ctx.save_for_backward(q, k, v, attn_bias, out, lse)
+            row_max[:, :, q0:q1] = m_fin.masked_fill(dead, 0.0)
+            row_sum[:, :, q0:q1] = l_safe
+        ctx.save_for_backward(q, k, v, attn_bias, out, row_max, row_sum)
         ctx.c = c
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, attn_bias, out, lse = ctx.saved_tensors
+        q, k, v, attn_bias, out, row_max, row_sum = ctx.saved_tensors
         c: _Ctx = ctx.c
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(dim=-1)  # [B, H, T]
@@ -318,14 +324,16 @@ class _BlockwiseFunction(torch.autograd.Function):
             q0, q1 = row[0][0], row[0][1]
             qi = q[:, :, q0:q1] * c.scale  # [B, H, bq, Dh]
             do_i = d_out[:, :, q0:q1]  # [B, H, bq, Dv]
-            lse_i = lse[:, :, q0:q1, None]  # [B, H, bq, 1]
+            m_i = row_max[:, :, q0:q1, None]  # [B, H, bq, 1]
+            l_i = row_sum[:, :, q0:q1, None]  # [B, H, bq, 1]
             delta_i = delta[:, :, q0:q1, None]  # [B, H, bq, 1]
             dq_i = torch.zeros_like(qi)  # [B, H, bq, Dh]
             for t in row:
                 k0, k1 = t[2], t[3]
                 tm = c.tile_mask(t, q.device)
                 kj, vj = _tile_kv(k, v, t, tm)  # [B, H, bk, Dh], [B, H, bk, Dv]
-                p = c.scores(qi, kj, attn_bias, t, buf_s, tm).sub_(lse_i).exp_()  # [B,H,bq,bk]
+                s = c.scores(qi, kj, attn_bias, t, buf_s, tm)  # [B, H, bq, bk]
+                p = s.sub_(m_i).exp_().div_(l_i)  # [B, H, bq, bk]
                 dp = _view(buf_dp, tuple(p.shape))  # [B, H, bq, bk]
                 torch.matmul(do_i, vj.transpose(-2, -1), out=dp)  # [B, H, bq, bk]
                 if drop:

@@ -15,6 +15,11 @@ at the edge and patches the two places where results would differ:
   position cannot reach the scores. Both with tensor ops, no data-dependent branch.
 - low precision: float16/bfloat16 are upcast to float32 before the call (no trust in how the
   kernel accumulates), and the result is cast back.
+- gradients on CPU: SDPA's CPU backward loses precision in float32 (its dv error was up to 15x
+  a naive float32 formula's, ``benchmarks/float32_error.py``). Without dropout, eagerly, the
+  gradients come instead from :class:`_ExactBackward`, which recomputes the reference formula
+  in its backward (O(T · S) memory there, as the reference backend). Under torch.compile /
+  export, with dropout, or on other devices, SDPA's own backward is kept.
 
 Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated by
 :mod:`qkv.attention`.
@@ -22,11 +27,13 @@ Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.backends.reference import compute_dtype, drop_blocked_keys
+from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
 from qkv.masks import causal_mask
 
 __all__ = ["fused_attention", "uses_sdpa_is_causal"]
@@ -76,6 +83,75 @@ def fused_attention(
     Returns:
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
     """
+    exact = (
+        (dropout_p == 0.0 or not training)
+        and query.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        and not torch.compiler.is_compiling()
+    )
+    if exact:
+        out = _ExactBackward.apply(query, key, value, attn_bias, mask, is_causal, scale)
+        assert isinstance(out, Tensor)
+        return out
+    return _sdpa(query, key, value, mask, attn_bias, is_causal, scale, dropout_p, training)
+
+
+class _ExactBackward(torch.autograd.Function):
+    """SDPA's forward; the backward of the reference formula, recomputed (float32 or float64)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: Tensor | None,
+        mask: Tensor | None,
+        is_causal: bool,
+        scale: float,
+    ) -> Tensor:
+        ctx.save_for_backward(query, key, value, attn_bias, mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return _sdpa(query, key, value, mask, attn_bias, is_causal, scale, 0.0, False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, attn_bias, mask = ctx.saved_tensors
+        inputs = [query, key, value, attn_bias]
+        leaves = [
+            None if x is None or not need else x.detach().requires_grad_()
+            for x, need in zip(inputs, ctx.needs_input_grad[:4], strict=True)
+        ]
+        q, k, v, b = (
+            x.detach() if leaf is None and x is not None else leaf
+            for x, leaf in zip(inputs, leaves, strict=True)
+        )
+        assert q is not None and k is not None and v is not None
+        if ctx.is_causal:
+            T, S = query.shape[2], key.shape[2]
+            causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
+            mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
+        with torch.enable_grad():
+            out, _ = reference_attention(q, k, v, mask, b, ctx.scale, 0.0, False)  # [B, H, T, Dv]
+            wanted = [x for x in leaves if x is not None]
+            grads = iter(torch.autograd.grad(out, wanted, d_out))
+        return (*(None if x is None else next(grads) for x in leaves), None, None, None)
+
+
+def _sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    attn_bias: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    training: bool,
+) -> Tensor:
+    """The SDPA call itself, arguments as :func:`fused_attention`'s."""
     out_dtype = query.dtype
     work = compute_dtype(out_dtype)
     T, S = query.shape[2], key.shape[2]

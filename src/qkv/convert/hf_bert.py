@@ -16,6 +16,7 @@ implies is an error that names the keys. Keys may carry the ``bert.`` prefix tha
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -87,6 +88,7 @@ IGNORED_PREFIXES: dict[str, str] = {
 """Checkpoint key prefixes that are skipped (and reported), with the reason."""
 
 _POSITION_IDS = "embeddings.position_ids"
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of floating dtypes
 _TASK_PREFIX = "bert."
 _LEGACY_NORM = re.compile(r"LayerNorm\.(gamma|beta)$")  # TF-era names for weight / bias
 _PATTERNS = [
@@ -211,23 +213,57 @@ def convert_bert_state_dict(
 
     Raises:
         ValueError: unknown keys (including layers beyond ``num_hidden_layers``), missing keys,
-            tensors whose shape differs from the one ``config`` implies, two keys that name the
-            same weight (with and without ``bert.``), a ``position_ids`` buffer that is not
-            ``0..P-1``. One message lists every problem, naming the keys.
+            layers ``num_hidden_layers`` names that the checkpoint lacks, tensors whose shape
+            differs from the one ``config`` implies, two keys that name the same weight (with
+            and without ``bert.``), a ``position_ids`` buffer that is not ``0..P-1``. One
+            message lists every problem, naming the keys.
         TypeError: a weight that is not floating point.
     """
-    expected = {
-        k: tuple(v.shape) for k, v in BertEncoder(config, device="meta").state_dict().items()
-    }
-    out: dict[str, Tensor] = {}
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    not_float = {k: str(v.dtype) for k, v in tensors.items() if not v.is_floating_point()}
+    sources, ignored = _check_shapes(shapes, not_float, config)
+    _check_position_ids(tensors, config)
+    return {ours: tensors[key] for ours, key in sources.items()}, ignored
+
+
+def _expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """qkv key (``{}`` = layer index) -> shape.
+
+    Taken from a one-layer encoder on the meta device (nothing allocated, however large the
+    widths): building all ``num_hidden_layers`` layers, even on meta, takes seconds per
+    thousand, so that a config.json claiming 20,000 layers took 30 s to refuse.
+    """
+    one = BertEncoder(dataclasses.replace(config, num_hidden_layers=1), device="meta")
+    out: dict[str, tuple[int, ...]] = {}
+    for k, v in one.state_dict().items():
+        out[re.sub(r"^encoder\.layers\.0\.", "encoder.layers.{}.", k)] = tuple(v.shape)
+    return out
+
+
+def _check_shapes(
+    shapes: Mapping[str, tuple[int, ...]], not_float: Mapping[str, str], config: BertConfig
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Check checkpoint keys and shapes against ``config`` (see :func:`convert_bert_state_dict`).
+
+    Args:
+        shapes: checkpoint key -> shape (of the tensors, or read from the headers).
+        not_float: checkpoint key -> dtype, for the keys that are not floating point.
+        config: the sizes the checkpoint must have.
+
+    Returns:
+        ``(sources, ignored)``: qkv key -> the checkpoint key holding it, and each skipped
+        checkpoint key with its reason.
+    """
+    templates = _expected_shapes(config)
+    N = config.num_hidden_layers
     source_of: dict[str, str] = {}
+    found_in_layer: dict[int, int] = {}
     ignored: dict[str, str] = {}
     unknown: list[str] = []
     extra_layers: set[int] = set()
     misshaped: list[str] = []
     problems: list[str] = []
-    for key in sorted(tensors):
-        value = tensors[key]
+    for key in sorted(shapes):
         name = key[len(_TASK_PREFIX) :] if key.startswith(_TASK_PREFIX) else key
         name = _LEGACY_NORM.sub(
             lambda m: "LayerNorm." + {"gamma": "weight", "beta": "bias"}[m[1]], name
@@ -237,11 +273,6 @@ def convert_bert_state_dict(
             ignored[key] = reason
             continue
         if name == _POSITION_IDS:
-            P = config.max_position_embeddings
-            if value.numel() != P or not torch.equal(value.reshape(-1).long(), torch.arange(P)):
-                problems.append(
-                    f"{key} is not the positions 0..{P - 1} (shape {list(value.shape)})"
-                )
             ignored[key] = "a buffer holding the positions 0..P-1, recomputed in forward"
             continue
         mapped = _map_key(name)
@@ -249,28 +280,39 @@ def convert_bert_state_dict(
             unknown.append(key)
             continue
         ours, layer = mapped
-        if layer is not None and layer >= config.num_hidden_layers:
+        if layer is not None and layer >= N:
             extra_layers.add(layer)
             unknown.append(key)
             continue
-        if ours in out:
+        if ours in source_of:
             problems.append(f"{source_of[ours]} and {key} both hold {ours}")
             continue
-        if not value.is_floating_point():
-            raise TypeError(f"checkpoint tensor {key} must be floating point, got {value.dtype}")
-        if tuple(value.shape) != expected[ours]:
-            misshaped.append(
-                f"{key} has shape {list(value.shape)}, expected {list(expected[ours])}"
-            )
-        out[ours] = value
+        if key in not_float:
+            raise TypeError(f"checkpoint tensor {key} must be floating point, got {not_float[key]}")
+        want = templates[re.sub(r"^encoder\.layers\.\d+\.", "encoder.layers.{}.", ours)]
+        if shapes[key] != want:
+            misshaped.append(f"{key} has shape {list(shapes[key])}, expected {list(want)}")
         source_of[ours] = key
-    missing = sorted(set(expected) - set(out))
+        if layer is not None:
+            found_in_layer[layer] = found_in_layer.get(layer, 0) + 1
+    held = 1 + max(found_in_layer, default=-1)  # layers 0 .. held-1 have at least one key
+    if held < N:
+        problems.append(
+            f"config.json's num_hidden_layers={N} but the checkpoint holds "
+            f"{held} layer(s) (encoder.layer.0 .. encoder.layer.{held - 1}): "
+            f"{N - held} layer(s) missing"
+        )
+    missing = [
+        k.format(i) if "{}" in k else k
+        for k in templates
+        for i in (range(held) if "{}" in k else (0,))
+        if (k.format(i) if "{}" in k else k) not in source_of
+    ]
     if unknown:
         note = ""
         if extra_layers:
             note = (
-                f" (layers {sorted(extra_layers)} lie beyond config.json's "
-                f"num_hidden_layers={config.num_hidden_layers})"
+                f" (layers {sorted(extra_layers)} lie beyond config.json's num_hidden_layers={N})"
             )
         problems.insert(0, f"{len(unknown)} unknown key(s){note}: {listing(unknown)}")
     if missing:
@@ -284,7 +326,21 @@ def convert_bert_state_dict(
         )
     if problems:
         raise ValueError("BERT checkpoint does not fit its config: " + "; ".join(problems))
-    return out, ignored
+    return {ours: source_of[ours] for ours in sorted(source_of)}, ignored
+
+
+def _check_position_ids(tensors: Mapping[str, Tensor], config: BertConfig) -> None:
+    """The ``position_ids`` buffer, where there is one, must be ``0..P-1``."""
+    P = config.max_position_embeddings
+    for key in (_POSITION_IDS, _TASK_PREFIX + _POSITION_IDS):
+        value = tensors.get(key)
+        if value is not None and (
+            value.numel() != P or not torch.equal(value.reshape(-1).long(), torch.arange(P))
+        ):
+            raise ValueError(
+                "BERT checkpoint does not fit its config: "
+                f"{key} is not the positions 0..{P - 1} (shape {list(value.shape)})"
+            )
 
 
 def read_bert_checkpoint(
@@ -304,9 +360,16 @@ def read_bert_checkpoint(
     root = check_checkpoint_dir(path, WEIGHT_FILES)
     config = bert_config_from_hf(read_config(root), source=str(root / "config.json"))
     headers = read_headers(weight_files(root))
-    tensors = read_tensors(headers, headers)
-    state_dict, ignored = convert_bert_state_dict(tensors, config)
-    return config, state_dict, ignored
+    # Keys and shapes from the headers first: nothing is read or built before they fit.
+    sources, ignored = _check_shapes(
+        {k: h.shape for k, h in headers.items()},
+        {k: h.dtype for k, h in headers.items() if h.dtype not in _FLOAT_DTYPES},
+        config,
+    )
+    positions = [k for k in headers if k.removeprefix(_TASK_PREFIX) == _POSITION_IDS]
+    tensors = read_tensors(headers, [*sources.values(), *positions])
+    _check_position_ids(tensors, config)
+    return config, {ours: tensors[key] for ours, key in sources.items()}, ignored
 
 
 def load_bert(
