@@ -63,3 +63,21 @@ def test_the_measure_sees_a_less_exact_formula(measured: tuple) -> None:
 
     bad = script._errors(coarse, qkv64, want)
     assert bad[0] / (naive[0] + ulp) > 10 * BOUND
+
+
+def test_exact_backward_only_below_its_memory_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long sequences keep SDPA's O(T) backward memory: the exact backward has a size bound."""
+    from qkv.backends import fused
+
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    out = fused.fused_attention(
+        q, q, q, None, None, is_causal=False, scale=0.3, dropout_p=0.0, training=False
+    )
+    assert type(out.grad_fn).__name__ == "_ExactBackwardBackward"
+    monkeypatch.setattr(fused, "EXACT_BACKWARD_MAX_BYTES", 4 * 2 * 16 * 16 * 4 - 1)
+    out = fused.fused_attention(
+        q, q, q, None, None, is_causal=False, scale=0.3, dropout_p=0.0, training=False
+    )
+    assert type(out.grad_fn).__name__ != "_ExactBackwardBackward"
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

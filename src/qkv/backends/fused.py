@@ -19,7 +19,9 @@ at the edge and patches the two places where results would differ:
   a naive float32 formula's, ``benchmarks/float32_error.py``). Without dropout, eagerly, the
   gradients come instead from :class:`_ExactBackward`, which recomputes the reference formula
   in its backward (O(T · S) memory there, as the reference backend). Under torch.compile /
-  export, with dropout, or on other devices, SDPA's own backward is kept.
+  export, with dropout, on other devices, or when the recomputed ``[B, H, T, S]`` scores would
+  exceed :data:`EXACT_BACKWARD_MAX_BYTES` (long sequences, where SDPA's O(T) memory matters
+  more), SDPA's own backward is kept.
 
 Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated by
 :mod:`qkv.attention`.
@@ -83,8 +85,10 @@ def fused_attention(
     Returns:
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
     """
+    B, H, T, _ = query.shape
     exact = (
-        (dropout_p == 0.0 or not training)
+        4 * B * H * T * key.shape[2] * query.element_size() <= EXACT_BACKWARD_MAX_BYTES
+        and (dropout_p == 0.0 or not training)
         and query.device.type == "cpu"
         and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
@@ -95,6 +99,11 @@ def fused_attention(
         assert isinstance(out, Tensor)
         return out
     return _sdpa(query, key, value, mask, attn_bias, is_causal, scale, dropout_p, training)
+
+
+EXACT_BACKWARD_MAX_BYTES = 256 * 2**20
+"""Above this, the exact backward's ~4 ``[B, H, T, S]`` tensors (scores, probabilities, their
+gradients) cost more memory than its precision is worth, and SDPA's backward runs instead."""
 
 
 class _ExactBackward(torch.autograd.Function):
