@@ -70,7 +70,9 @@ def test_padding_cuts_keys_to_the_longest_live_length() -> None:
     why = _check(xs, mask=Padding(torch.tensor([7, 4, 0])))
     assert "keys cut to the live length (longest 7 of S=10)" in why
     red = reduce_mask(Padding(torch.tensor([7, 4, 0])), 3, 2, 6, 10)
-    assert red is not None and red.calls == 1  # one batched call, [B, 1, 1, 7] mask
+    # Suffix padding: one maskless call per live length (7 and 4); the empty sample is zeros.
+    assert red is not None and red.calls == 2
+    assert {p.kind for g in red.groups for p in g.pieces} == {"open", "dead"}
 
 
 def test_padding_as_is_pad_with_and_without_holes() -> None:

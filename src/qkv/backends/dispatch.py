@@ -49,6 +49,7 @@ __all__ = [
     "BackendChoice",
     "blockwise_mask",
     "choose_backend",
+    "padding_of_tensor",
 ]
 
 
@@ -183,7 +184,8 @@ def choose_backend(
     if red is not None:
         asked = "backend='fused' was requested; " if requested == "fused" else ""
         upcast = _upcast_note(query.dtype)
-        why = f"{asked}{red.summary}{'; ' + upcast if upcast else ''}"
+        read = "the [B, 1, 1, S] mask tensor is key padding: " if isinstance(mask, Tensor) else ""
+        why = f"{asked}{read}{red.summary}{'; ' + upcast if upcast else ''}"
         return BackendChoice("fused", why, reduction=red)
     if requested == "fused":
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
@@ -256,8 +258,13 @@ def _reduction(
     ``strict`` (``auto``): on a grid blockwise would be considered for, also refuse one that
     leaves most pairs under a ``[T, S]``-shaped piece mask, where blockwise may skip more.
     """
-    if isinstance(mask, Tensor) or run_mask is None or (mask is None and T == S):
-        return None  # a tensor goes to SDPA as it is; so does is_causal with T == S
+    if isinstance(mask, Tensor):
+        padding = padding_of_tensor(mask, B)
+        if padding is None:
+            return None  # a tensor that is not key padding goes to SDPA as it is
+        run_mask = padding if run_mask is None else _with_tensor_as(run_mask, padding)
+    elif run_mask is None or (mask is None and T == S):
+        return None  # is_causal with T == S goes to SDPA's own flag
     red = reduce_mask(run_mask, B, H, T, S)
     if red is None:
         return None
@@ -268,6 +275,33 @@ def _reduction(
     if strict and T * S >= BLOCKWISE_MIN_PAIRS and _has_row_rules(run_mask):
         return None if 2 * under_mask > B * T * S else red
     return red
+
+
+def _with_tensor_as(run_mask: StructuredMask, padding: Padding) -> StructuredMask:
+    """``run_mask`` (a :class:`Dense` tensor part, maybe ``| Causal``) with the tensor part
+    replaced by the :class:`Padding` rule it is."""
+    parts = run_mask.parts if isinstance(run_mask, AnyOf) else (run_mask,)
+    rules = [padding if isinstance(p, Dense) else p for p in parts]
+    out = rules[0]
+    for r in rules[1:]:
+        out = out | r
+    return out
+
+
+def padding_of_tensor(mask: Tensor, B: int) -> Padding | None:
+    """A bool mask tensor of shape ``[B|1, 1, 1, S]`` (what models build from their padding) as
+    the :class:`Padding` rule it is, so that the padding reductions see it; else None.
+
+    Args:
+        mask: a validated, 4-D bool mask tensor.
+        B: the call's batch size.
+
+    Returns:
+        ``Padding(is_pad)`` with ``is_pad = mask[:, 0, 0, :]`` ``[B, S]``, or None.
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return None
+    return Padding(mask[:, 0, 0, :].expand(B, mask.shape[3]))  # [B, S]
 
 
 def _has_row_rules(mask: StructuredMask) -> bool:

@@ -39,10 +39,19 @@ from qkv.masks.tiles import query_offset
 
 MAX_CALLS = 256
 """A reduction needing more SDPA calls than this (many tiny documents) is not made."""
+MAX_LENGTH_GROUPS = 1024
+"""Suffix padding with at most this many distinct lengths runs one maskless call per length."""
 
 Kind = Literal["open", "causal", "masked", "dead"]
 
-__all__ = ["MAX_CALLS", "Piece", "Reduction", "reduce_mask", "reduced_attention"]
+__all__ = [
+    "MAX_CALLS",
+    "MAX_LENGTH_GROUPS",
+    "Piece",
+    "Reduction",
+    "reduce_mask",
+    "reduced_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -263,9 +272,16 @@ def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reducti
     assert parts.padding is not None and parts.documents is not None and parts.causal is not None
     limits, holes = _key_limits(parts.padding, B, S)
     by_pieces: dict[tuple[Piece, ...], list[int]] = {}
-    if parts.padding and not parts.documents and not parts.causal:
+    lengths = len(set(limits))
+    if (
+        parts.padding
+        and not parts.documents
+        and not parts.causal
+        and (any(holes) or lengths == 1 or lengths > MAX_LENGTH_GROUPS)
+    ):
         # Padding alone: one batched call on the keys up to the longest live length, with the
-        # [B, 1, 1, S'] mask only when the samples differ.
+        # [B, 1, 1, S'] mask only when the samples differ. Suffix padding of a few distinct
+        # lengths is instead grouped by length below: one maskless call per length.
         longest = max(limits)
         kind: Kind = "open" if min(limits) == longest and not any(holes) else "masked"
         whole = (Piece(0, T, 0, longest, kind) if longest else Piece(0, T, 0, 0, "dead"),)
