@@ -24,6 +24,7 @@ runs (:func:`blockwise_mask`) and, where choosing it already classified that mas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +60,7 @@ class BackendChoice:
 
     Attributes:
         backend: ``"reference"``, ``"fused"`` or ``"blockwise"``.
-        reason: the sentence.
+        why: the sentence, or what makes it when asked (see :attr:`reason`).
         mask: for blockwise, the structured mask it runs (see :func:`blockwise_mask`).
         plan: for blockwise, the tile plan of ``mask`` made while choosing, or None.
         reduction: for fused, the SDPA calls the mask was reduced to (see
@@ -67,10 +68,15 @@ class BackendChoice:
     """
 
     backend: str
-    reason: str
+    why: str | Callable[[], str] = field(compare=False)
     mask: StructuredMask | None = field(default=None, compare=False)
     plan: TilePlan | None = field(default=None, compare=False)
     reduction: Reduction | None = field(default=None, compare=False)
+
+    @property
+    def reason(self) -> str:
+        """The sentence that says why (made only here: models choose in every layer)."""
+        return self.why if isinstance(self.why, str) else self.why()
 
 
 def blockwise_mask(mask: Tensor | StructuredMask | None, is_causal: bool) -> StructuredMask | None:
@@ -185,8 +191,8 @@ def choose_backend(
         asked = "backend='fused' was requested; " if requested == "fused" else ""
         upcast = _upcast_note(query.dtype)
         read = "the [B, 1, 1, S] mask tensor is key padding: " if isinstance(mask, Tensor) else ""
-        why = f"{asked}{read}{red.summary}{'; ' + upcast if upcast else ''}"
-        return BackendChoice("fused", why, reduction=red)
+        tail = f"; {upcast}" if upcast else ""
+        return BackendChoice("fused", lambda: f"{asked}{read}{red.summary}{tail}", reduction=red)
     if requested == "fused":
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
     sparse_kind = structured or (is_causal and T != S)
