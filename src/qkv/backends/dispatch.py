@@ -50,6 +50,7 @@ __all__ = [
     "BackendChoice",
     "blockwise_mask",
     "choose_backend",
+    "dense_tile_skip",
     "padding_of_tensor",
 ]
 
@@ -197,6 +198,16 @@ def choose_backend(
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
     sparse_kind = structured or (is_causal and T != S)
     if not sparse_kind:
+        if isinstance(mask, Tensor) and T * S >= BLOCKWISE_MIN_PAIRS:
+            bq, bk = resolve_blocks(None, block_q, block_k)
+            skipped = dense_tile_skip(mask, bq, bk)
+            if skipped is not None and skipped >= BLOCKWISE_MIN_SKIP:
+                return BackendChoice(
+                    "blockwise",
+                    f"the mask tensor has {skipped:.0%} of its {bq}x{bk} tiles fully masked "
+                    "(classified in one pass over it), and blockwise skips them",
+                    run_mask,
+                )
         if isinstance(mask, Tensor):
             why = "an explicit mask tensor goes to SDPA as it is"
         elif uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal):
@@ -281,6 +292,29 @@ def _reduction(
     if strict and T * S >= BLOCKWISE_MIN_PAIRS and _has_row_rules(run_mask):
         return None if 2 * under_mask > B * T * S else red
     return red
+
+
+def dense_tile_skip(mask: Tensor, block_q: int, block_k: int) -> float | None:
+    """The fraction of ``block_q x block_k`` tiles a bool mask tensor blocks entirely (for every
+    sample and head): one vectorized pass over the mask, cheap next to the attention it saves.
+
+    Args:
+        mask: a validated 4-D bool mask, broadcastable to ``[B, H, T, S]``.
+        block_q: query rows per tile.
+        block_k: keys per tile.
+
+    Returns:
+        The fraction in ``[0, 1]``, or None while tracing or compiling (it reads the mask).
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    blocked = mask.all(dim=1).all(dim=0)  # [T|1, S]: blocked for every sample and head
+    T, S = blocked.shape
+    nq, nk = -(-T // block_q), -(-S // block_k)
+    # Pad with True so a partial edge tile is judged on its real pairs only.
+    grid = torch.nn.functional.pad(blocked, (0, nk * block_k - S, 0, nq * block_q - T), value=True)
+    tiles = grid.reshape(nq, block_q, nk, block_k).all(dim=3).all(dim=1)  # [nq, nk]
+    return float(tiles.float().mean())
 
 
 def _with_tensor_as(run_mask: StructuredMask, padding: Padding) -> StructuredMask:
