@@ -70,7 +70,9 @@ def test_padding_cuts_keys_to_the_longest_live_length() -> None:
     why = _check(xs, mask=Padding(torch.tensor([7, 4, 0])))
     assert "keys cut to the live length (longest 7 of S=10)" in why
     red = reduce_mask(Padding(torch.tensor([7, 4, 0])), 3, 2, 6, 10)
-    assert red is not None and red.calls == 1  # one batched call, [B, 1, 1, 7] mask
+    # Suffix padding: one maskless call per live length (7 and 4); the empty sample is zeros.
+    assert red is not None and red.calls == 2
+    assert {p.kind for g in red.groups for p in g.pieces} == {"open", "dead"}
 
 
 def test_padding_as_is_pad_with_and_without_holes() -> None:
@@ -178,3 +180,52 @@ def test_any_combination_matches_the_reference(
     got = _out_and_grads("fused", xs, mask=mask)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **TOL64)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_padding_tensor_from_a_model_is_reduced_as_padding(is_causal: bool) -> None:
+    # What BertEncoder / qkv.Transformer build: padding_mask(is_pad), [B, 1, 1, S].
+    from qkv.masks import padding_mask
+
+    lengths = torch.tensor([9, 4, 9, 0, 6])
+    is_pad = torch.arange(9)[None] >= lengths[:, None]  # [B, S], suffix padding
+    xs = _inputs(5, 4, 2, 9, 9, seed=3)
+    why = _check(xs, mask=padding_mask(is_pad), is_causal=is_causal)
+    assert why.startswith("fused: the [B, 1, 1, S] mask tensor is key padding: ")
+    assert "samples grouped by length (4 groups)" in why
+    assert "9 query row(s) with no key left are set to 0" in why
+    # Holes (left and middle padding) keep the rule's own mask on the cut keys, still exact.
+    holes = is_pad | torch.arange(9)[None].eq(8)  # no sample sees key 8: cut to 8 keys
+    holes[0, 2] = True
+    holes[2, 0] = True
+    cut = _check(xs, mask=padding_mask(holes), is_causal=is_causal)
+    assert "key padding" in cut and "longest 8 of S=9" in cut and "keep the rule's own" in cut
+    # Nothing to cut (a sample live up to key S - 1): without is_causal SDPA takes it as it is.
+    holes[0, 8] = False
+    uncut = _check(xs, mask=padding_mask(holes), is_causal=is_causal)
+    assert ("key padding" in uncut) == is_causal  # causal still cuts the upper triangle
+    assert ("as it is" in uncut) != is_causal
+    # One row broadcast over the batch.
+    one = padding_mask(is_pad[:1] | torch.arange(9)[None].eq(8))  # [1, 1, 1, S]
+    assert "longest 8 of S=9" in _check(xs, mask=one, is_causal=is_causal)
+
+
+def test_other_tensor_shapes_are_not_read_as_padding() -> None:
+    xs = _inputs(2, 2, 2, 6, 6, seed=4)
+    rows = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(0)) < 0.3
+    why = _check(xs, mask=rows)
+    assert "key padding" not in why and "goes to SDPA as it is" in why
+
+
+def test_sliding_window_tensor_is_classified_and_runs_blockwise() -> None:
+    # T * S = 1024 * 1024 reaches BLOCKWISE_MIN_PAIRS: auto classifies the tensor's tiles.
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 1024, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    band = SlidingWindow(128).materialize(1, 1, 1024, 1024)  # [1, 1, T, S]
+    why = qkv.explain_backend(q, k, v, mask=band)
+    assert why.startswith("blockwise: the mask tensor has") and "fully masked" in why
+    want, _ = qkv.attention(q, k, v, mask=band, backend="reference")
+    got, _ = qkv.attention(q, k, v, mask=band)
+    torch.testing.assert_close(got, want, **TOL64)
+    dense = torch.rand(1, 1, 1024, 1024, generator=g) < 0.5  # no tile fully masked
+    assert qkv.explain_backend(q, k, v, mask=dense).startswith("fused: an explicit mask tensor")

@@ -24,6 +24,7 @@ runs (:func:`blockwise_mask`) and, where choosing it already classified that mas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,8 @@ __all__ = [
     "BackendChoice",
     "blockwise_mask",
     "choose_backend",
+    "dense_tile_skip",
+    "padding_of_tensor",
 ]
 
 
@@ -58,7 +61,7 @@ class BackendChoice:
 
     Attributes:
         backend: ``"reference"``, ``"fused"`` or ``"blockwise"``.
-        reason: the sentence.
+        why: the sentence, or what makes it when asked (see :attr:`reason`).
         mask: for blockwise, the structured mask it runs (see :func:`blockwise_mask`).
         plan: for blockwise, the tile plan of ``mask`` made while choosing, or None.
         reduction: for fused, the SDPA calls the mask was reduced to (see
@@ -66,10 +69,15 @@ class BackendChoice:
     """
 
     backend: str
-    reason: str
+    why: str | Callable[[], str] = field(compare=False)
     mask: StructuredMask | None = field(default=None, compare=False)
     plan: TilePlan | None = field(default=None, compare=False)
     reduction: Reduction | None = field(default=None, compare=False)
+
+    @property
+    def reason(self) -> str:
+        """The sentence that says why (made only here: models choose in every layer)."""
+        return self.why if isinstance(self.why, str) else self.why()
 
 
 def blockwise_mask(mask: Tensor | StructuredMask | None, is_causal: bool) -> StructuredMask | None:
@@ -183,12 +191,23 @@ def choose_backend(
     if red is not None:
         asked = "backend='fused' was requested; " if requested == "fused" else ""
         upcast = _upcast_note(query.dtype)
-        why = f"{asked}{red.summary}{'; ' + upcast if upcast else ''}"
-        return BackendChoice("fused", why, reduction=red)
+        read = "the [B, 1, 1, S] mask tensor is key padding: " if isinstance(mask, Tensor) else ""
+        tail = f"; {upcast}" if upcast else ""
+        return BackendChoice("fused", lambda: f"{asked}{read}{red.summary}{tail}", reduction=red)
     if requested == "fused":
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
     sparse_kind = structured or (is_causal and T != S)
     if not sparse_kind:
+        if isinstance(mask, Tensor) and T * S >= BLOCKWISE_MIN_PAIRS:
+            bq, bk = resolve_blocks(None, block_q, block_k)
+            skipped = dense_tile_skip(mask, bq, bk)
+            if skipped is not None and skipped >= BLOCKWISE_MIN_SKIP:
+                return BackendChoice(
+                    "blockwise",
+                    f"the mask tensor has {skipped:.0%} of its {bq}x{bk} tiles fully masked "
+                    "(classified in one pass over it), and blockwise skips them",
+                    run_mask,
+                )
         if isinstance(mask, Tensor):
             why = "an explicit mask tensor goes to SDPA as it is"
         elif uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal):
@@ -256,8 +275,13 @@ def _reduction(
     ``strict`` (``auto``): on a grid blockwise would be considered for, also refuse one that
     leaves most pairs under a ``[T, S]``-shaped piece mask, where blockwise may skip more.
     """
-    if isinstance(mask, Tensor) or run_mask is None or (mask is None and T == S):
-        return None  # a tensor goes to SDPA as it is; so does is_causal with T == S
+    if isinstance(mask, Tensor):
+        padding = padding_of_tensor(mask, B)
+        if padding is None:
+            return None  # a tensor that is not key padding goes to SDPA as it is
+        run_mask = padding if run_mask is None else _with_tensor_as(run_mask, padding)
+    elif run_mask is None or (mask is None and T == S):
+        return None  # is_causal with T == S goes to SDPA's own flag
     red = reduce_mask(run_mask, B, H, T, S)
     if red is None:
         return None
@@ -268,6 +292,56 @@ def _reduction(
     if strict and T * S >= BLOCKWISE_MIN_PAIRS and _has_row_rules(run_mask):
         return None if 2 * under_mask > B * T * S else red
     return red
+
+
+def dense_tile_skip(mask: Tensor, block_q: int, block_k: int) -> float | None:
+    """The fraction of ``block_q x block_k`` tiles a bool mask tensor blocks entirely (for every
+    sample and head): one vectorized pass over the mask, cheap next to the attention it saves.
+
+    Args:
+        mask: a validated 4-D bool mask, broadcastable to ``[B, H, T, S]``.
+        block_q: query rows per tile.
+        block_k: keys per tile.
+
+    Returns:
+        The fraction in ``[0, 1]``, or None while tracing or compiling (it reads the mask).
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    blocked = mask.all(dim=1).all(dim=0)  # [T|1, S]: blocked for every sample and head
+    T, S = blocked.shape
+    nq, nk = -(-T // block_q), -(-S // block_k)
+    # Pad with True so a partial edge tile is judged on its real pairs only.
+    grid = torch.nn.functional.pad(blocked, (0, nk * block_k - S, 0, nq * block_q - T), value=True)
+    tiles = grid.reshape(nq, block_q, nk, block_k).all(dim=3).all(dim=1)  # [nq, nk]
+    return float(tiles.float().mean())
+
+
+def _with_tensor_as(run_mask: StructuredMask, padding: Padding) -> StructuredMask:
+    """``run_mask`` (a :class:`Dense` tensor part, maybe ``| Causal``) with the tensor part
+    replaced by the :class:`Padding` rule it is."""
+    parts = run_mask.parts if isinstance(run_mask, AnyOf) else (run_mask,)
+    rules = [padding if isinstance(p, Dense) else p for p in parts]
+    out = rules[0]
+    for r in rules[1:]:
+        out = out | r
+    return out
+
+
+def padding_of_tensor(mask: Tensor, B: int) -> Padding | None:
+    """A bool mask tensor of shape ``[B|1, 1, 1, S]`` (what models build from their padding) as
+    the :class:`Padding` rule it is, so that the padding reductions see it; else None.
+
+    Args:
+        mask: a validated, 4-D bool mask tensor.
+        B: the call's batch size.
+
+    Returns:
+        ``Padding(is_pad)`` with ``is_pad = mask[:, 0, 0, :]`` ``[B, S]``, or None.
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return None
+    return Padding(mask[:, 0, 0, :].expand(B, mask.shape[3]))  # [B, S]
 
 
 def _has_row_rules(mask: StructuredMask) -> bool:

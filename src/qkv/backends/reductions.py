@@ -25,7 +25,8 @@ for are zeros.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -39,10 +40,19 @@ from qkv.masks.tiles import query_offset
 
 MAX_CALLS = 256
 """A reduction needing more SDPA calls than this (many tiny documents) is not made."""
+MAX_LENGTH_GROUPS = 1024
+"""Suffix padding with at most this many distinct lengths runs one maskless call per length."""
 
 Kind = Literal["open", "causal", "masked", "dead"]
 
-__all__ = ["MAX_CALLS", "Piece", "Reduction", "reduce_mask", "reduced_attention"]
+__all__ = [
+    "MAX_CALLS",
+    "MAX_LENGTH_GROUPS",
+    "Piece",
+    "Reduction",
+    "reduce_mask",
+    "reduced_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -95,13 +105,19 @@ class Reduction:
         mask: the rule the pieces were cut from (masked pieces ask it for their tile).
         groups: samples grouped by their pieces.
         grid: ``(B, H, T, S)``.
-        summary: the sentence for :func:`qkv.explain_backend`.
+        describe: makes the sentence for :func:`qkv.explain_backend` (see :attr:`summary`),
+            only when asked: models reduce their mask in every layer of every forward.
     """
 
     mask: StructuredMask
     groups: tuple[Group, ...]
     grid: tuple[int, int, int, int]
-    summary: str
+    describe: Callable[[], str] = field(compare=False, repr=False, default=lambda: "")
+
+    @property
+    def summary(self) -> str:
+        """The sentence for :func:`qkv.explain_backend`."""
+        return self.describe()
 
     @property
     def calls(self) -> int:
@@ -185,10 +201,11 @@ def _key_limits(padding: list[Padding], B: int, S: int) -> tuple[list[int], list
         live = ~p.is_pad  # [B, S]
         pos = torch.arange(1, S + 1, device=live.device)  # [S]
         last = (live * pos).amax(dim=1)  # [B]: one past the last live key, 0 if none
-        inner = live.sum(dim=1) != last  # [B]: a padded key before the last live one
-        for b, (n, h) in enumerate(zip(last.tolist(), inner.tolist(), strict=True)):
+        count = live.sum(dim=1)  # [B]: live keys; fewer than `last` means a hole before it
+        lasts, counts = torch.stack([last, count]).tolist()  # one read from the device
+        for b, (n, c) in enumerate(zip(lasts, counts, strict=True)):
             limit[b] = min(limit[b], int(n))
-            holes[b] = holes[b] or bool(h)
+            holes[b] = holes[b] or c != n
     # Two paddings: a key live in one may be padding in the other, so there may be holes.
     if len(padding) > 1 and any(p.is_pad is not None for p in padding):
         holes = [True] * B
@@ -263,9 +280,16 @@ def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reducti
     assert parts.padding is not None and parts.documents is not None and parts.causal is not None
     limits, holes = _key_limits(parts.padding, B, S)
     by_pieces: dict[tuple[Piece, ...], list[int]] = {}
-    if parts.padding and not parts.documents and not parts.causal:
+    lengths = len(set(limits))
+    if (
+        parts.padding
+        and not parts.documents
+        and not parts.causal
+        and (any(holes) or lengths == 1 or lengths > MAX_LENGTH_GROUPS)
+    ):
         # Padding alone: one batched call on the keys up to the longest live length, with the
-        # [B, 1, 1, S'] mask only when the samples differ.
+        # [B, 1, 1, S'] mask only when the samples differ. Suffix padding of a few distinct
+        # lengths is instead grouped by length below: one maskless call per length.
         longest = max(limits)
         kind: Kind = "open" if min(limits) == longest and not any(holes) else "masked"
         whole = (Piece(0, T, 0, longest, kind) if longest else Piece(0, T, 0, 0, "dead"),)
@@ -277,13 +301,13 @@ def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reducti
                 return None
             by_pieces.setdefault(tuple(pieces), []).append(b)
     groups = tuple(Group(tuple(bs), ps) for ps, bs in by_pieces.items())
-    red = Reduction(mask, groups, (B, H, T, S), "")
+    red = Reduction(mask, groups, (B, H, T, S))
     every = [p for g in groups for p in g.pieces]
     if red.calls == 0 or red.calls > MAX_CALLS:
         return None
     if red.pairs == B * T * S and all(p.kind == "masked" for p in every):
         return None  # nothing cut: that is the materialized mask
-    return Reduction(mask, groups, (B, H, T, S), _summary(red, parts, limits))
+    return Reduction(mask, groups, (B, H, T, S), lambda: _summary(red, parts, limits))
 
 
 def _summary(red: Reduction, parts: _Parts, limits: list[int]) -> str:
