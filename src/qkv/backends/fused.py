@@ -139,14 +139,18 @@ class _ExactBackward(torch.autograd.Function):
         )
         assert q is not None and k is not None and v is not None
         if ctx.is_causal:
-            T, S = query.shape[2], key.shape[2]
-            causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
-            mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
+            mask = _with_causal(mask, query.shape[2], key.shape[2], query.device)
         with torch.enable_grad():
             out, _ = reference_attention(q, k, v, mask, b, ctx.scale, 0.0, False)  # [B, H, T, Dv]
             wanted = [x for x in leaves if x is not None]
             grads = iter(torch.autograd.grad(out, wanted, d_out))
         return (*(None if x is None else next(grads) for x in leaves), None, None, None)
+
+
+def _with_causal(mask: Tensor | None, T: int, S: int, device: torch.device) -> Tensor:
+    """``mask`` OR the bottom-right causal mask, for when SDPA's own is_causal cannot serve."""
+    causal = causal_mask(T, S, align="bottom_right", device=device)  # [1, 1, T, S]
+    return causal if mask is None else mask | causal  # [B|1, H|1, T, S]
 
 
 def _sdpa(
@@ -166,8 +170,7 @@ def _sdpa(
     T, S = query.shape[2], key.shape[2]
     sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal)
     if is_causal and not sdpa_causal:
-        causal = causal_mask(T, S, align="bottom_right", device=query.device)  # [1, 1, T, S]
-        mask = causal if mask is None else mask | causal  # [B|1, H|1, T, S]
+        mask = _with_causal(mask, T, S, query.device)  # [B|1, H|1, T, S]
     dead: Tensor | None = None
     k, v = drop_blocked_keys(key, value, mask)  # [B, Hkv, S, Dh|Dv]
     if mask is not None:
