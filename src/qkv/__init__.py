@@ -5,6 +5,7 @@ Public API::
     qkv.attention(q, k, v, mask=..., is_causal=...)           # the attention function
     qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # fused / blockwise too
     qkv.explain_backend(q, k, v, mask=...)                    # which backend, and why
+    with qkv.allow_compile(): ...                             # auto may use compiled flex
     qkv.scaled_dot_product_attention(q, k, v, blocked_mask)  # tutorial form: (output, weights)
     qkv.masks                                                 # rules, builders, converters
     qkv.MultiHeadAttention                                    # nn.MultiheadAttention-compatible
@@ -23,6 +24,7 @@ import importlib
 from types import ModuleType
 
 from qkv import masks
+from qkv.backends.flex import allow_compile
 from qkv.functional import (
     BACKENDS,
     Backend,
@@ -58,6 +60,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "__version__",
+    "allow_compile",
     "attention",
     "explain_backend",
     "masks",

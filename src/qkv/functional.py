@@ -25,6 +25,7 @@ from torch import Tensor
 
 from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
+from qkv.backends.flex import flex_attention_qkv, flex_refusal
 from qkv.backends.fused import fused_attention
 from qkv.backends.reductions import reduced_attention
 from qkv.backends.reference import reference_attention
@@ -32,8 +33,8 @@ from qkv.checks import check_positive_int, check_probability
 from qkv.masks import StructuredMask, causal_mask, combine
 from qkv.masks.validate import as_4d, validate_mask
 
-Backend = Literal["auto", "reference", "fused", "blockwise"]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise")
+Backend = Literal["auto", "reference", "fused", "blockwise", "flex"]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise", "flex")
 
 __all__ = [
     "BACKENDS",
@@ -255,6 +256,14 @@ def _resolve(args: dict[str, Any]) -> _Call:
             need_weights=args["need_weights"],
             block_q=block_q,
             block_k=block_k,
+            flex_blocker=flex_refusal(
+                query,
+                key,
+                value,
+                attn_bias=attn_bias,
+                dropout_p=p,
+                training=args["training"],
+            ),
         )
     except ValueError as err:
         refusal = str(err)
@@ -296,6 +305,8 @@ def _run(call: _Call) -> tuple[Tensor, Tensor | None]:
             plan=call.choice.plan,
         )
         return out, None
+    if call.choice.backend == "flex":
+        return flex_attention_qkv(q, k, v, call.choice.mask, call.scale), None  # [B, H, T, Dv]
     if call.choice.reduction is not None:
         out = reduced_attention(
             q,
@@ -375,8 +386,9 @@ def attention(
         dropout_p: dropout on the weights, in ``[0, 1]``, used only when ``training``.
         training: apply dropout.
         backend: ``"auto"`` (see :mod:`qkv.backends.dispatch`), ``"reference"`` (explicit,
-            returns weights), ``"fused"`` (PyTorch SDPA) or ``"blockwise"`` (online softmax,
-            skips fully masked tiles).
+            returns weights), ``"fused"`` (PyTorch SDPA), ``"blockwise"`` (online softmax,
+            skips fully masked tiles) or ``"flex"`` (compiled ``flex_attention``; forward only on
+            CPU; ``auto`` uses it only inside :func:`qkv.backends.flex.allow_compile`).
         block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
             sliding window's width (see :func:`qkv.backends.blockwise.default_blocks`).
         block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.

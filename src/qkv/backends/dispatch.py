@@ -7,12 +7,16 @@
    with ``T != S``) that :func:`~qkv.backends.reductions.reduce_mask` cuts exactly into a few
    plain SDPA calls (``is_causal`` kernel, truncated keys, one call per document): **fused**,
    on those calls, with no ``[T, S]`` mask (also when ``backend="fused"`` is asked for);
-3. a structured mask (or ``is_causal`` with ``T != S``) on a grid of at least
+3. only inside :func:`~qkv.backends.flex.allow_compile` (never otherwise: it compiles), a
+   structured mask left by step 2 on a grid of at least :data:`BLOCKWISE_MIN_PAIRS`, when the
+   call has no ``attn_bias`` or dropout and needs no gradient on CPU: **flex**, compiled
+   ``flex_attention``, which skips masked blocks inside one kernel;
+4. otherwise, a structured mask (or ``is_causal`` with ``T != S``) on a grid of at least
    :data:`BLOCKWISE_MIN_PAIRS` query-key pairs, where at least :data:`BLOCKWISE_MIN_SKIP` of the
    tiles are fully masked (a ``mask_mod`` or tensor part is assumed sparse: telling would cost a
    pass over the whole grid), or whose materialized mask would exceed
    :data:`MATERIALIZE_LIMIT_BYTES`: **blockwise**;
-4. everything else: **fused** (structured masks are then materialized in their broadcast shape).
+5. everything else: **fused** (structured masks are then materialized in their broadcast shape).
 
 A backend asked for by name is used as asked; if it cannot serve the call (weights from fused
 or blockwise) :func:`choose_backend` raises instead of switching.
@@ -31,8 +35,10 @@ import torch
 from torch import Tensor
 
 from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
+from qkv.backends.flex import compile_allowed, compile_seconds
 from qkv.backends.fused import uses_sdpa_is_causal
 from qkv.backends.reductions import Reduction, reduce_mask
+from qkv.backends.reference import compute_dtype
 from qkv.masks import StructuredMask
 from qkv.masks.rules import AnyOf, Causal, Dense, Documents, MaskMod, Padding, SlidingWindow
 
@@ -149,6 +155,7 @@ def choose_backend(
     need_weights: bool,
     block_q: int | None = None,
     block_k: int | None = None,
+    flex_blocker: str | None = None,
 ) -> BackendChoice:
     """Decide the backend of one (already validated) :func:`qkv.attention` call.
 
@@ -162,18 +169,22 @@ def choose_backend(
         need_weights: the call's ``need_weights``.
         block_q: the call's blockwise tile height, or None for the default.
         block_k: the call's blockwise tile width, or None for the default.
+        flex_blocker: why the flex backend cannot run this call
+            (:func:`~qkv.backends.flex.flex_refusal`), or None when it can.
 
     Returns:
-        The backend, a sentence explaining the choice, and for blockwise its mask and plan.
+        The backend, a sentence explaining the choice, and for blockwise or flex its mask and
+        for blockwise its plan.
 
     Raises:
-        ValueError: weights requested from a backend that cannot return them.
+        ValueError: weights requested from a backend that cannot return them, or flex asked
+            for a call it cannot run.
     """
     B, H, T, _ = query.shape
     S = key.shape[2]
     structured = isinstance(mask, StructuredMask)
     notes = _fused_notes(query.dtype, mask is not None, structured, is_causal, T, S)
-    if requested in ("fused", "blockwise") and need_weights:
+    if requested in ("fused", "blockwise", "flex") and need_weights:
         raise ValueError(
             f"backend={requested!r} cannot return weights (need_weights=True); "
             "use backend='reference' or 'auto'"
@@ -183,6 +194,12 @@ def choose_backend(
     run_mask = blockwise_mask(mask, is_causal)
     if requested == "blockwise":
         return BackendChoice("blockwise", "backend='blockwise' was requested", run_mask)
+    if requested == "flex":
+        if flex_blocker is not None:
+            raise ValueError(f"backend='flex' cannot run this call: {flex_blocker}")
+        return BackendChoice(
+            "flex", lambda: f"backend='flex' was requested; {_compile_note(query, key)}", run_mask
+        )
     if need_weights:
         return BackendChoice(
             "reference", "need_weights=True and only the reference backend returns weights"
@@ -216,6 +233,16 @@ def choose_backend(
             why = "no structured mask"
         return BackendChoice("fused", f"{why}; {notes}")
     pairs = T * S
+    if compile_allowed() and flex_blocker is None and pairs >= BLOCKWISE_MIN_PAIRS:
+        return BackendChoice(
+            "flex",
+            lambda: (
+                f"compilation is allowed (qkv.backends.flex.allow_compile) and no plain SDPA "
+                f"call covers {run_mask!r}: flex_attention skips its masked blocks in one compiled "
+                f"kernel; {_compile_note(query, key)}"
+            ),
+            run_mask,
+        )
     mat_bytes = 5 * pairs * (B if _per_batch(mask) else 1)
     if mat_bytes > MATERIALIZE_LIMIT_BYTES:
         return BackendChoice(
@@ -257,6 +284,16 @@ def choose_backend(
         f"{sm!r}: only {tiles} (< {BLOCKWISE_MIN_SKIP:.0%}), so SDPA over the dense mask is "
         f"faster; {notes}",
     )
+
+
+def _compile_note(query: Tensor, key: Tensor) -> str:
+    """The measured one-time compile cost of flex for this call's input signature."""
+    T, S = query.shape[2], key.shape[2]
+    sig = (str(query.device), compute_dtype(query.dtype), key.shape[1] != query.shape[1], T, S)
+    seconds = compile_seconds().get(sig)
+    if seconds is None:
+        return "not compiled yet for these inputs: the first call compiles (its time is measured)"
+    return f"its first call with these inputs took {seconds:.2f} s (compile included, measured)"
 
 
 def _reduction(

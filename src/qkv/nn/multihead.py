@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WEIGHTLESS_BACKENDS", "MultiHeadAttention"]
 
-WEIGHTLESS_BACKENDS = ("fused", "blockwise")
+WEIGHTLESS_BACKENDS = ("fused", "blockwise", "flex")
 """Backends that compute no ``[B, H, T, S]`` weights; a module built for one defaults to
 ``need_weights=False``."""
 

@@ -1,0 +1,126 @@
+"""The flex backend (compiled ``flex_attention``) against the float64 reference, its limits, and
+the switch without which ``auto`` never compiles.
+
+Each distinct kind of rule compiles its block-mask builder and kernel once (seconds on CPU), so
+the parity cases are few and share one grid.
+"""
+
+import pytest
+import torch
+
+import qkv
+from qkv.backends import flex
+from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow
+
+B, H, HKV, T, S, DH = 2, 4, 2, 200, 256, 16
+
+
+def _inputs(T_: int = T, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T_, DH, generator=g)
+    k = torch.randn(B, HKV, S, DH, generator=g)
+    v = torch.randn(B, HKV, S, DH, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object) -> torch.Tensor:
+    out, _ = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    return out
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # flex computes in float32 over at most 256 keys with Dh=16: its rounding error is ~1e-7
+    # relative (measured <= 1e-6 absolute here), so 1e-5 separates rounding from a wrong mask,
+    # which moves outputs by O(0.1).
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_and_padding_match_the_reference_and_padding_never_leaks() -> None:
+    q, k, v = _inputs()
+    lengths = torch.tensor([180, 0])  # sample 1 is all padding: its rows are dead
+    mask = SlidingWindow(48) | Padding(lengths)
+    k[0, :, 200:], v[0, :, 190:] = float("nan"), float("inf")  # at padded positions only
+    out, _ = qkv.attention(q, k, v, mask=mask, backend="flex")
+    clean_k, clean_v = k.clone(), v.clone()
+    clean_k[0, :, 200:], clean_v[0, :, 190:] = 0.0, 0.0
+    _check(out, _reference(q, clean_k, clean_v, mask))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # fully masked rows: exactly 0
+    # float16 / bfloat16 are computed in float32 (the same kernel) and cast back.
+    out16, _ = qkv.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=mask, backend="flex")
+    assert out16.dtype == torch.bfloat16
+    ref16 = _reference(q.bfloat16(), clean_k.bfloat16(), clean_v.bfloat16(), mask)
+    torch.testing.assert_close(out16.double(), ref16, atol=1e-2, rtol=1e-2)  # bf16 output
+
+
+@pytest.mark.parametrize("make", [lambda: Causal(offset=20), lambda: Causal(align="top_left")])
+def test_causal_alignment_and_gqa_match_the_reference(make: object) -> None:
+    q, k, v = _inputs()  # T=200 queries over S=256 keys, 4 query heads on 2 key heads
+    mask = make()  # type: ignore[operator]
+    out, _ = qkv.attention(q, k, v, mask=mask, backend="flex")
+    _check(out, _reference(q, k, v, mask))
+
+
+def test_documents_and_mask_mod_match_the_reference() -> None:
+    q, k, v = _inputs(T_=S)
+    ids = torch.cat([torch.zeros(100), torch.ones(90), torch.full((66,), 2)]).long()
+    docs = Documents(torch.stack([ids, ids.flip(0)]))
+
+    def stripes(
+        b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+    ) -> torch.Tensor:
+        return (qi - ki) % 3 != 1  # True = may attend (flex's sense)
+
+    mask = docs | MaskMod(stripes)
+    out, _ = qkv.attention(q, k, v, mask=mask, backend="flex")
+    _check(out, _reference(q, k, v, mask))
+
+
+def test_auto_never_compiles_without_the_switch() -> None:
+    q, k, v = _inputs(T_=S)
+    big = [torch.zeros(1, 1, 1024, DH)] * 3
+    assert flex.compile_allowed() is False
+    for args in ((q, k, v), tuple(big)):
+        assert not qkv.explain_backend(*args, mask=SlidingWindow(64)).startswith("flex")
+    with flex.allow_compile():
+        assert flex.compile_allowed()
+        assert qkv.explain_backend(*big, mask=SlidingWindow(64)).startswith("flex: ")
+        # reductions to plain SDPA calls still win, and small grids stay fused
+        assert qkv.explain_backend(*big, mask=Causal()).startswith("fused")
+        assert qkv.explain_backend(q, k, v, mask=SlidingWindow(64)).startswith("fused")
+        with flex.allow_compile(False):
+            assert not qkv.explain_backend(*big, mask=SlidingWindow(64)).startswith("flex")
+        # what flex cannot run is not given to it
+        grad = [t.clone().requires_grad_() for t in big]
+        assert qkv.explain_backend(*grad, mask=SlidingWindow(64)).startswith("blockwise")
+        bias = torch.zeros(1, 1, 1024, 1024)
+        explained = qkv.explain_backend(*big, mask=SlidingWindow(64), attn_bias=bias)
+        assert not explained.startswith("flex")
+    assert flex.compile_allowed() is False
+
+
+def test_explain_reports_the_measured_compile_time() -> None:
+    q, k, v = _inputs()
+    mask = SlidingWindow(48) | Padding(torch.tensor([180, 0]))
+    qkv.attention(q, k, v, mask=mask, backend="flex")
+    sig = ("cpu", torch.float32, True, T, S)
+    seconds = flex.compile_seconds()[sig]
+    assert seconds > 0
+    assert f"took {seconds:.2f} s" in qkv.explain_backend(q, k, v, mask=mask, backend="flex")
+
+
+def test_flex_refuses_what_it_cannot_do() -> None:
+    q, k, v = _inputs()
+    mask = SlidingWindow(48)
+    with pytest.raises(ValueError, match="cannot return weights"):
+        qkv.attention(q, k, v, mask=mask, backend="flex", need_weights=True)
+    with pytest.raises(ValueError, match="attn_bias"):
+        qkv.attention(q, k, v, mask=mask, backend="flex", attn_bias=torch.zeros(T, S))
+    with pytest.raises(ValueError, match="dropout"):
+        qkv.attention(q, k, v, mask=mask, backend="flex", dropout_p=0.1, training=True)
+    with pytest.raises(ValueError, match=r"no backward on CPU.*blockwise"):
+        qkv.attention(q.requires_grad_(), k, v, mask=mask, backend="flex")
+    with torch.no_grad():  # inference on inputs that require grad is fine
+        out, _ = qkv.attention(q, k, v, mask=mask, backend="flex")
+    assert not out.requires_grad
+    with pytest.raises(TypeError, match="allowed must be a bool"):
+        flex.set_compile_allowed(1)  # type: ignore[arg-type]
