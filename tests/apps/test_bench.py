@@ -10,13 +10,25 @@ def test_table_has_every_case_side_by_side() -> None:
     assert {r.case for r in rows} == set(CASES)
     for r in rows:
         assert r.seconds > 0 and r.gflops > 0
-        assert (r.ratio is None) == (r.contestant != "qkv auto")
+        assert (r.ratio is None) == (not r.contestant.startswith("qkv auto"))
         assert (r.peak_mb is None) == (r.mode != "fwd")
     table = format_table(rows, mm, notes)
     assert "SDPA per document" in table and "SDPA on live keys" in table
     assert len([n for n in notes if " at L=" in n]) == len(CASES)
     assert "one SDPA call per document" in table
     assert "lower bound" in table  # CPU peak memory is labelled as what it is
+
+
+def test_compile_adds_flex_peer_forward_only_on_cpu_and_qkv_with_compile_allowed() -> None:
+    cases = ("sliding window 256",)
+    rows, _, notes = run_benchmarks(repeats=1, shrink=4, lengths=(1024,), cases=cases, compile=True)
+    by = {(r.mode, r.contestant): r for r in rows}
+    assert ("fwd", "flex_attention (compiled)") in by
+    assert ("fwd+bwd", "flex_attention (compiled)") not in by  # torch has no CPU flex backward
+    for mode in ("fwd", "fwd+bwd"):
+        for name in ("qkv auto", "qkv auto (compile allowed)"):
+            assert by[(mode, name)].ratio is not None
+    assert any("compiled flex_attention's first call" in n for n in notes)
 
 
 def test_cli_has_bench() -> None:

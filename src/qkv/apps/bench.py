@@ -13,8 +13,13 @@ float32 ``bmm`` ``[H, 1024, Dh] @ [H, Dh, 1024]``. Peak memory is one forward's 
 set (``VmHWM`` reset through ``/proc/self/clear_refs``) above what the process held before it,
 or ``torch.cuda.max_memory_allocated`` on a GPU.
 
+With ``--compile``, compiled ``flex_attention`` joins the peers of every structured mask (its
+block mask built once, outside the timing, and its compile time in the notes; on CPU forward
+only, as torch 2.13 has no flex backward there), and qkv ``auto`` under
+:func:`~qkv.backends.flex.allow_compile` joins the contestants.
+
 Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes,
-``--cases``, ``--lengths``); both parse their options in :mod:`qkv.apps.cli`.
+``--cases``, ``--lengths``, ``--compile``); both parse their options in :mod:`qkv.apps.cli`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from qkv.backends.flex import allow_compile
 from qkv.functional import attention, explain_backend
 from qkv.masks import Causal, Documents, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
 
@@ -51,6 +58,7 @@ SKIPS_MORE = {"sliding window 256 | half padded"}
 """Cases where qkv's knowledge of the mask skips work no peer here skips: goal <= 0.8."""
 
 Attn = Callable[[Tensor, Tensor, Tensor], Tensor]
+FLEX_PEER = "flex_attention (compiled)"
 
 
 @dataclass
@@ -76,10 +84,20 @@ class _Case:
     is_causal: bool
     peers: dict[str, Attn]
     pairs: int
+    allowed: MaskModFn | None = None
 
     def qkv(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """qkv ``auto`` on this case."""
         return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
+
+    def qkv_compiling(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """qkv ``auto`` on this case, with compilation allowed (the flex backend)."""
+        with allow_compile():
+            return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
+
+
+MaskModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""A flex ``mask_mod``: True where the query may attend the key."""
 
 
 def _sync(device: torch.device) -> None:
@@ -144,6 +162,7 @@ def _make_case(case: str, L: int, device: torch.device) -> _Case:
     if case not in rules:
         raise ValueError(f"unknown case {case!r}; expected one of {CASES}")
     rule = rules[case]
+    allowed = _mask_mods(ids[0], n_live).get(case)
     if case == "none":
         return _Case(None, False, {"SDPA": _sdpa_with(None)}, L * L)
     if case == "is_causal":
@@ -164,7 +183,57 @@ def _make_case(case: str, L: int, device: torch.device) -> _Case:
         peers["SDPA is_causal on live keys"] = lambda q, k, v: F.scaled_dot_product_attention(
             q, k[:, :, :n_live], v[:, :, :n_live], is_causal=True
         )
-    return _Case(rule, False, peers, pairs)
+    return _Case(rule, False, peers, pairs, allowed)
+
+
+def _mask_mods(ids: Tensor, n_live: int) -> dict[str, MaskModFn]:
+    """Each structured case as a user of ``flex_attention`` would write it (True = may attend)."""
+
+    def causal(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return q >= k
+
+    def window(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return (q >= k) & (q - k < 256)
+
+    def docs(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return ids[q] == ids[k]
+
+    def live(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return k < n_live
+
+    def both(f: MaskModFn, g: MaskModFn) -> MaskModFn:
+        return lambda b, h, q, k: f(b, h, q, k) & g(b, h, q, k)
+
+    return {
+        "Causal()": causal,
+        "sliding window 256": window,
+        "4 documents": docs,
+        "4 documents | Causal": both(docs, causal),
+        "half padded": live,
+        "Causal | 3/4 padded": both(causal, live),
+        "sliding window 256 | half padded": both(window, live),
+    }
+
+
+_FLEX: list[Callable[..., Tensor]] = []
+
+
+def _flex_peer(allowed: MaskModFn, L: int, device: torch.device) -> tuple[Attn, float]:
+    """Compiled ``flex_attention`` with its block mask built once (outside the timing), and the
+    seconds of its first (compiling) call."""
+    if not _FLEX:
+        _FLEX.append(torch.compile(flex_attention))
+    block = create_block_mask(allowed, None, None, L, L, device=str(device))
+    # torch refuses inputs that require grad on CPU even under no_grad: detaching is free.
+    fn: Attn = lambda q, k, v: _FLEX[0](  # noqa: E731
+        q.detach(), k.detach(), v.detach(), block_mask=block
+    )
+    x = torch.randn(1, H, L, DH, device=device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn(x, x, x)
+    _sync(device)
+    return fn, time.perf_counter() - start
 
 
 def _step(fn: Attn, inputs: Sequence[Tensor], backward: bool) -> Callable[[], None]:
@@ -221,26 +290,49 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def _bench_case(case: str, L: int, repeats: int, judge: bool, device: torch.device) -> list[Row]:
+def _bench_case(
+    case: str,
+    L: int,
+    repeats: int,
+    judge: bool,
+    device: torch.device,
+    compile: bool = False,
+    notes: list[str] | None = None,
+) -> list[Row]:
     c = _make_case(case, L, device)
     q, k, v = (torch.randn(1, H, L, DH, device=device, requires_grad=True) for _ in range(3))
-    names = [*c.peers, "qkv auto"]
-    calls = [*c.peers.values(), c.qkv]
+    peers = dict(c.peers)
+    ours: dict[str, Attn] = {"qkv auto": c.qkv}
+    if compile and c.allowed is not None:
+        peers[FLEX_PEER], seconds = _flex_peer(c.allowed, L, device)
+        if notes is not None:
+            notes.append(
+                f"{case} at L={L}: compiled flex_attention's first call took {seconds:.1f} s"
+            )
+    if compile:
+        ours["qkv auto (compile allowed)"] = c.qkv_compiling
     rows = []
     for backward, mode in ((False, "fwd"), (True, "fwd+bwd")):
+        # torch 2.13's flex_attention has no backward on CPU: that peer runs forward only there.
+        these = {
+            n: f
+            for n, f in peers.items()
+            if not (backward and n == FLEX_PEER and device.type == "cpu")
+        }
+        names, calls = [*these, *ours], [*these.values(), *ours.values()]
         fns = [_step(fn, (q, k, v), backward) for fn in calls]
         times = _interleaved(fns, repeats, device)
         peaks: list[float | None] = [None] * len(fns)
         if not backward:
             peaks = [peak_memory_mb(fn, device) for fn in fns]
         medians = [statistics.median(ts) for ts in times]
-        best = min(range(len(c.peers)), key=lambda i: medians[i])
-        # The ratio is the median of ratios of runs made back to back: robust to load drift.
-        ratio = statistics.median(a / b for a, b in zip(times[-1], times[best], strict=True))
+        best = min(range(len(these)), key=lambda i: medians[i])
         goal = ("<= 0.8" if case in SKIPS_MORE else "<= 1.05") if judge else ""
         flops = (3 if backward else 1) * 4 * H * c.pairs * DH
         for i, name in enumerate(names):
-            last = i == len(names) - 1
+            mine = i >= len(these)
+            # The ratio is the median of ratios of runs made back to back: robust to load drift.
+            ratio = statistics.median(a / b for a, b in zip(times[i], times[best], strict=True))
             rows.append(
                 Row(
                     case,
@@ -248,10 +340,10 @@ def _bench_case(case: str, L: int, repeats: int, judge: bool, device: torch.devi
                     mode,
                     name,
                     medians[i],
-                    ratio if last else None,
+                    ratio if mine else None,
                     flops / medians[i] / 1e9,
                     peaks[i],
-                    goal if last else "",
+                    goal if mine else "",
                 )
             )
     return rows
@@ -266,6 +358,7 @@ def run_benchmarks(
     shrink: int | None = None,
     cases: Sequence[str] | None = None,
     lengths: Sequence[int] | None = None,
+    compile: bool = False,
 ) -> tuple[list[Row], float, list[str]]:
     """Measure the whole table.
 
@@ -278,6 +371,9 @@ def run_benchmarks(
         shrink: divide every length by this instead (tests use it).
         cases: the masks to run, from :data:`CASES` (default all).
         lengths: the lengths before shrinking (default :data:`LENGTHS`).
+        compile: add compiled ``flex_attention`` as a peer (forward only on CPU; its compile
+            time goes to the notes, not the table) and qkv ``auto`` under
+            :func:`~qkv.backends.flex.allow_compile` as a contestant.
 
     Returns:
         ``(rows, matmul GFLOP/s, explanation lines)``: the lines say what ``auto`` chose for
@@ -313,7 +409,7 @@ def run_benchmarks(
     for case in chosen:
         notes.append(f"{case} at L={Ls[0]}: qkv auto -> {_explain(case, Ls[0], dev)}")
         for L in Ls:
-            rows += _bench_case(case, L, n, judge, dev)
+            rows += _bench_case(case, L, n, judge, dev, compile, notes)
     return rows, mm, notes
 
 

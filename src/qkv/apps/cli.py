@@ -300,7 +300,7 @@ _CASE_SLUGS = {re.sub(r"[^a-z0-9]+", "-", c.lower()).strip("-"): c for c in CASE
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N] [--cases ...]
-    [--lengths ...]``."""
+    [--lengths ...] [--compile]``."""
     p.add_argument("--quick", action="store_true", help="lengths / 8: a smoke run")
     p.add_argument(
         "--cases",
@@ -318,6 +318,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
         "--threads", type=_positive, default=None, help="torch CPU threads (default: unchanged)"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="add compiled flex_attention as a peer and qkv auto with compilation allowed",
     )
 
 
@@ -358,6 +363,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         cases=None if args.cases is None else [_CASE_SLUGS[c] for c in args.cases],
         lengths=args.lengths,
+        compile=args.compile,
     )
     print(format_table(rows, mm, mem))
     return 0
