@@ -288,8 +288,12 @@ def block_mask_for(
 
 
 def _compiled_flex() -> Callable[..., Any]:
+    """The compiled kernel, built once. ``dynamic=False``: inductor's dynamic-shape CPU flex
+    template fails to compile in torch 2.13 (an undeclared ``cur_qSplitSize`` in the generated
+    C++, met after a second sequence length), so each new ``(T, S)`` compiles its own kernel;
+    past torch's recompile limit (8) dynamo runs flex_attention eagerly, slower but exact."""
     if not _compiled:
-        _compiled.append(torch.compile(flex_attention))
+        _compiled.append(torch.compile(flex_attention, dynamic=False))
     return _compiled[0]
 
 
