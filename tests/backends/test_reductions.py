@@ -384,3 +384,11 @@ def test_any_band_matches_the_reference(
         got = reduced_attention(*xs, red, None, scale=0.25, dropout_p=0.0, training=False)
         want, _ = qkv.attention(*xs, mask=mask, backend="reference", scale=0.25)
         torch.testing.assert_close(got, want, **TOL64)
+
+
+def test_band_cuts_the_bias_with_the_pieces() -> None:
+    xs = _inputs(2, 2, 2, 300, 300, seed=2)
+    bias = torch.randn(
+        2, 1, 300, 300, generator=torch.Generator().manual_seed(1), dtype=xs[0].dtype
+    )
+    _band([x.detach() for x in xs], SlidingWindow(32) | Causal(), attn_bias=bias)
