@@ -264,6 +264,8 @@ def _resolve(args: dict[str, Any]) -> _Call:
                 dropout_p=p,
                 training=args["training"],
             ),
+            needs_grad=torch.is_grad_enabled()
+            and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias)),
         )
     except ValueError as err:
         refusal = str(err)

@@ -4,17 +4,16 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import blockwise, dispatch
+from qkv.backends import blockwise, dispatch, flex
 from qkv.masks import Causal, MaskMod, Padding, SlidingWindow
 
 
-def _qkv(T: int, S: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+def _qkv(
+    T: int, S: int, dtype: torch.dtype = torch.float32, grad: bool = False
+) -> tuple[torch.Tensor, ...]:
     # Expanded views: explain_backend computes nothing, so big lengths cost no memory here.
-    return (
-        torch.zeros(1, 1, 1, 1, dtype=dtype).expand(1, 8, T, 64),
-        torch.zeros(1, 1, 1, 1, dtype=dtype).expand(1, 8, S, 64),
-        torch.zeros(1, 1, 1, 1, dtype=dtype).expand(1, 8, S, 64),
-    )
+    one = torch.zeros(1, 1, 1, 1, dtype=dtype, requires_grad=grad)
+    return one.expand(1, 8, T, 64), one.expand(1, 8, S, 64), one.expand(1, 8, S, 64)
 
 
 def test_weights_need_reference() -> None:
@@ -33,10 +32,17 @@ def test_dense_goes_fused_and_sdpa_causal_only_when_square() -> None:
 
 
 def test_large_structured_masks_go_blockwise_with_the_skipped_fraction() -> None:
-    why = qkv.explain_backend(*_qkv(4096, 4096), mask=SlidingWindow(1024))
+    # With a gradient (training) a sliding window is not cut into bands, and the sentence says so.
+    why = qkv.explain_backend(*_qkv(4096, 4096, grad=True), mask=SlidingWindow(1024))
     assert why.startswith("blockwise:") and "fully masked" in why
-    why = qkv.explain_backend(*_qkv(16384, 16384), mask=SlidingWindow(256))
+    assert "band SDPA calls only when no gradient is needed" in why
+    why = qkv.explain_backend(*_qkv(16384, 16384, grad=True), mask=SlidingWindow(256))
     assert why.startswith("blockwise:") and "materializing" in why
+    with torch.no_grad():
+        assert "no gradient" not in qkv.explain_backend(
+            *_qkv(16384, 16384, grad=True),
+            mask=SlidingWindow(256) | MaskMod(lambda b, h, q, k: q >= k),
+        )
     why = qkv.explain_backend(*_qkv(2048, 2048), mask=MaskMod(lambda b, h, q, k: q >= k))
     assert why.startswith("blockwise:") and "mask_mod" in why
 
@@ -86,9 +92,10 @@ def test_multihead_passes_its_backend(backend: str) -> None:
 
 def test_explanation_counts_the_calls_own_blocks() -> None:
     window = SlidingWindow(1024)
-    default = qkv.explain_backend(*_qkv(4096, 4096), mask=window)
+    xs = _qkv(4096, 4096, grad=True)  # a gradient: no band reduction
+    default = qkv.explain_backend(*xs, mask=window)
     assert "of 128 tiles" in default  # 16 x 8 tiles of 256 x 512
-    small = qkv.explain_backend(*_qkv(4096, 4096), mask=window, block_q=512, block_k=512)
+    small = qkv.explain_backend(*xs, mask=window, block_q=512, block_k=512)
     # 8 x 8 tiles of 512: query block i sees key blocks i-2 .. i, so 8 + 7 + 6 are computed.
     assert "43 of 64 tiles (67%)" in small
 
@@ -106,6 +113,7 @@ def test_blockwise_runs_the_plan_dispatch_made(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(dispatch, "plan_tiles", counting)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 1024, 8, generator=g) for _ in range(3))
+    q.requires_grad_()  # a gradient: no band reduction, blockwise
     kw: dict[str, object] = {"mask": SlidingWindow(256), "block_q": 128, "block_k": 128}
     assert qkv.explain_backend(q, k, v, **kw).startswith("blockwise:")  # type: ignore[arg-type]
     calls.clear()
@@ -126,3 +134,28 @@ def test_a_plan_for_another_mask_is_refused() -> None:
         blockwise.blockwise_attention(q, k, v, Causal(), None, 0.5, 0.0, False, plan=plan)
     with pytest.raises(ValueError, match="block_q=2 but the tile plan was made with block_q=4"):
         blockwise.blockwise_attention(q, k, v, mask, None, 0.5, 0.0, False, block_q=2, plan=plan)
+
+
+def test_sliding_window_without_gradient_is_cut_into_bands() -> None:
+    why = qkv.explain_backend(*_qkv(4096, 4096), mask=SlidingWindow(256))
+    # 32 blocks of 128 queries; a full block sees 128 + 255 keys, the first only its 128.
+    assert why.startswith("fused: SlidingWindow(window=256")
+    assert "32 SDPA call(s) on 9% of the query-key pairs" in why
+    assert "sliding window → 32 band SDPA call(s) of up to 128 query rows over 128-383 keys" in why
+    with torch.no_grad():  # no_grad counts as no gradient, whatever requires_grad says
+        assert "band SDPA" in qkv.explain_backend(
+            *_qkv(4096, 4096, grad=True), mask=SlidingWindow(256)
+        )
+    # Decoding one token with a window: one maskless call over the window's keys.
+    one = qkv.explain_backend(*_qkv(1, 4096), mask=SlidingWindow(256))
+    assert "1 band SDPA call(s) of up to 128 query rows over 256 keys" in one
+    assert "own mask" not in one
+    # A band over more than BAND_MAX_SHARE of the pairs (52% here) is left to the other steps.
+    wide = qkv.explain_backend(*_qkv(1024, 1024), mask=SlidingWindow(640))
+    assert wide.startswith("blockwise:") and "band" not in wide
+
+
+def test_compiling_keeps_flex_before_the_band() -> None:
+    with flex.allow_compile():
+        why = qkv.explain_backend(*_qkv(4096, 4096), mask=SlidingWindow(256))
+    assert why.startswith("flex:")

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
+from qkv.backends import reductions
 from qkv.backends.reductions import reduce_mask, reduced_attention
 from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 
@@ -229,3 +230,165 @@ def test_sliding_window_tensor_is_classified_and_runs_blockwise() -> None:
     torch.testing.assert_close(got, want, **TOL64)
     dense = torch.rand(1, 1, 1024, 1024, generator=g) < 0.5  # no tile fully masked
     assert qkv.explain_backend(q, k, v, mask=dense).startswith("fused: an explicit mask tensor")
+
+
+TOL32 = {"atol": 1e-5, "rtol": 1.3e-6}
+
+
+def _band(xs: list[torch.Tensor], mask: StructuredMask, **kw: object) -> str:
+    """Forward without a gradient: auto runs the band reduction, exact against the float64
+    reference of the same inputs; returns auto's explanation."""
+    with torch.no_grad():
+        why = qkv.explain_backend(*xs, mask=mask, **kw)  # type: ignore[arg-type]
+        got, _ = qkv.attention(*xs, mask=mask, **kw)  # type: ignore[arg-type]
+        want, _ = qkv.attention(*(x.double() for x in xs), mask=mask, backend="reference", **kw)  # type: ignore[arg-type]
+    assert "band SDPA call(s)" in why, why
+    assert got.dtype == xs[0].dtype and torch.isfinite(got).all()
+    tol = TOL64 if got.dtype == torch.float64 else TOL32
+    torch.testing.assert_close(got.double(), want, **tol)
+    return why
+
+
+def _f32(B: int, H: int, Hkv: int, T: int, S: int, seed: int = 0) -> list[torch.Tensor]:
+    return [x.detach().float() for x in _inputs(B, H, Hkv, T, S, seed)]
+
+
+@pytest.mark.parametrize(
+    ("T", "S", "rule"),
+    [
+        (512, 512, SlidingWindow(64)),
+        (300, 700, SlidingWindow(50)),  # bottom-right, T < S: a KV-cache chunk
+        (700, 300, SlidingWindow(50)),  # bottom-right, T > S: the first 400 rows are 0
+        (700, 300, SlidingWindow(50, align="top_left")),  # rows past S + 49 are 0
+        (400, 500, SlidingWindow(40, offset=-30)),  # the first 30 rows see no key
+        (400, 500, SlidingWindow(40, offset=90)),
+        (512, 512, SlidingWindow(1)),  # each query sees only its own position
+        (512, 512, SlidingWindow(64) | Causal(align="top_left")),
+        (300, 700, SlidingWindow(50) | Causal(offset=380)),  # causal cuts the band's top
+        (512, 512, SlidingWindow(64) | SlidingWindow(32, offset=8)),
+    ],
+)
+def test_band_matches_the_reference(T: int, S: int, rule: StructuredMask) -> None:
+    why = _band(_f32(1, 4, 2, T, S), rule)  # GQA: 4 query heads on 2 key heads
+    assert f"up to {128} query rows" in why
+    _band(_inputs(1, 2, 2, T, S, seed=1), rule)  # float64: to the reference's own precision
+
+
+def test_band_with_padding_cuts_each_sample_to_its_live_keys() -> None:
+    lengths = torch.tensor([512, 200, 0, 333])  # a sample with no key is 0
+    why = _band(_f32(4, 2, 1, 512, 512), SlidingWindow(64) | Padding(lengths))
+    assert "longest 512 of S=512" in why and "set to 0" in why
+    is_pad = torch.arange(512)[None] >= lengths[:, None]  # [B, S], as a model builds it
+    _band(_f32(4, 2, 1, 512, 512), SlidingWindow(64) | Padding(is_pad) | Causal())
+    holes = is_pad.clone()
+    holes[0, 100:110] = True  # a hole inside the band: its pieces keep the whole rule's mask
+    holes[3, 0] = True
+    why = _band(_f32(4, 2, 1, 512, 512), SlidingWindow(64) | Padding(holes))
+    red = reduce_mask(SlidingWindow(64) | Padding(holes), 4, 2, 512, 512, band=True)
+    assert red is not None and red.piece_mask is None
+    plain = reduce_mask(SlidingWindow(64) | Padding(lengths), 4, 2, 512, 512, band=True)
+    assert plain is not None and repr(plain.piece_mask).startswith("SlidingWindow")
+
+
+def test_band_inside_documents() -> None:
+    ids = _docs([200, 37, 275])  # [1, 512]
+    why = _band(_f32(1, 2, 2, 512, 512), SlidingWindow(64) | Documents(ids))
+    assert "one SDPA call per document" in why and "band SDPA" in why
+
+
+def test_band_in_low_precision_is_computed_in_float32() -> None:
+    q, k, v = (x.to(torch.bfloat16) for x in _f32(1, 4, 4, 512, 512))
+    rule = SlidingWindow(64)
+    with torch.no_grad():
+        why = qkv.explain_backend(q, k, v, mask=rule)
+        got, _ = qkv.attention(q, k, v, mask=rule)
+        want, _ = qkv.attention(q.double(), k.double(), v.double(), mask=rule, backend="reference")
+        # A naive bfloat16 formula, every step in bfloat16.
+        scores = (q @ k.transpose(-2, -1)) * 0.25  # [B, H, T, S]
+        scores = scores.masked_fill(rule.materialize(1, 4, 512, 512), float("-inf"))
+        naive = scores.softmax(dim=-1) @ v  # [B, H, T, Dv]
+    assert "band SDPA" in why and "upcast to float32" in why and got.dtype == torch.bfloat16
+    err = (got.double() - want).abs().max()
+    assert err <= 2 * (naive.double() - want).abs().max()
+
+
+def test_window_wider_than_the_grid_is_causal() -> None:
+    # window >= S (bottom-right, T == S): the window never binds; SDPA's is_causal runs it.
+    why = _check(_inputs(1, 2, 2, 12, 12), mask=SlidingWindow(12))
+    assert "is_causal kernel" in why and "band" not in why
+    red = reduce_mask(SlidingWindow(300), 1, 2, 300, 300, band=True)
+    assert red is not None and red.calls == 1  # reduced as causal, not cut into bands
+    red = reduce_mask(SlidingWindow(299), 1, 2, 300, 300, band=True)
+    assert red is None  # binds once (last row, key 0): a band as wide as the grid
+
+
+def test_band_needs_to_be_allowed_and_to_pay() -> None:
+    assert reduce_mask(SlidingWindow(64), 1, 2, 512, 512) is None  # band=False by default
+    assert reduce_mask(SlidingWindow(64), 1, 2, 512, 512, band=True) is not None
+    assert reduce_mask(SlidingWindow(512), 1, 2, 1024, 1024, band=True) is not None  # 47%
+    assert reduce_mask(SlidingWindow(640), 1, 2, 1024, 1024, band=True) is None  # 52%
+    # A gradient: auto does not cut the window into bands (fwd+bwd measured slower).
+    xs = _inputs(1, 2, 2, 512, 512)
+    assert "band" not in qkv.explain_backend(*xs, mask=SlidingWindow(64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 14),
+    S=st.integers(1, 14),
+    window=st.integers(1, 6),
+    where=st.sampled_from(["bottom_right", "top_left", -3, 4]),
+    causal=st.booleans(),
+    padding=st.booleans(),
+    docs=st.booleans(),
+    data=st.data(),
+)
+def test_any_band_matches_the_reference(
+    B: int,
+    T: int,
+    S: int,
+    window: int,
+    where: str | int,
+    causal: bool,
+    padding: bool,
+    docs: bool,
+    data: st.DataObject,
+) -> None:
+    # Blocks of 4 rows and no share limit, so tiny grids are cut into many bands.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reductions, "BAND_BLOCK", 4)
+        mp.setattr(reductions, "BAND_MAX_SHARE", 1.0)
+        w = (
+            SlidingWindow(window, align=where)  # type: ignore[arg-type]
+            if isinstance(where, str)
+            else SlidingWindow(window, offset=where)
+        )
+        mask: StructuredMask = w
+        if causal:
+            mask = mask | Causal()
+        if padding:
+            lengths = data.draw(st.lists(st.integers(0, S), min_size=B, max_size=B))
+            mask = mask | Padding(torch.tensor(lengths))
+        if docs:
+
+            def ids(n: int) -> torch.Tensor:
+                steps = data.draw(st.lists(st.integers(0, 1), min_size=B * n, max_size=B * n))
+                return torch.tensor(steps).reshape(B, n).cumsum(dim=1)  # sorted ids [B, n]
+
+            mask = mask | Documents(ids(T), ids(S))
+        xs = [x.detach() for x in _inputs(B, 4, 2, T, S)]
+        red = reduce_mask(mask, B, 4, T, S, band=True)
+        if red is None:
+            return
+        got = reduced_attention(*xs, red, None, scale=0.25, dropout_p=0.0, training=False)
+        want, _ = qkv.attention(*xs, mask=mask, backend="reference", scale=0.25)
+        torch.testing.assert_close(got, want, **TOL64)
+
+
+def test_band_cuts_the_bias_with_the_pieces() -> None:
+    xs = _inputs(2, 2, 2, 300, 300, seed=2)
+    bias = torch.randn(
+        2, 1, 300, 300, generator=torch.Generator().manual_seed(1), dtype=xs[0].dtype
+    )
+    _band([x.detach() for x in xs], SlidingWindow(32) | Causal(), attn_bias=bias)

@@ -6,7 +6,12 @@
 2. a structured mask made of ``Causal`` / ``Padding`` / ``Documents`` parts (or ``is_causal``
    with ``T != S``) that :func:`~qkv.backends.reductions.reduce_mask` cuts exactly into a few
    plain SDPA calls (``is_causal`` kernel, truncated keys, one call per document): **fused**,
-   on those calls, with no ``[T, S]`` mask (also when ``backend="fused"`` is asked for);
+   on those calls, with no ``[T, S]`` mask (also when ``backend="fused"`` is asked for). With a
+   ``SlidingWindow`` part too, when no gradient is needed and step 3 does not apply: the band
+   reduction, one SDPA call per block of queries over its band of keys, where the band is a
+   small share of the grid (measured forward faster than blockwise and than SDPA over the dense
+   mask; with a backward the per-call overhead and the exact backward's recomputation lose to
+   blockwise, so training keeps step 4);
 3. only inside :func:`~qkv.backends.flex.allow_compile` (never otherwise: it compiles), a
    structured mask left by step 2 on a grid of at least :data:`BLOCKWISE_MIN_PAIRS`, when the
    call has no ``attn_bias`` or dropout and needs no gradient on CPU: **flex**, compiled
@@ -156,6 +161,7 @@ def choose_backend(
     block_q: int | None = None,
     block_k: int | None = None,
     flex_blocker: str | None = None,
+    needs_grad: bool = False,
 ) -> BackendChoice:
     """Decide the backend of one (already validated) :func:`qkv.attention` call.
 
@@ -171,6 +177,7 @@ def choose_backend(
         block_k: the call's blockwise tile width, or None for the default.
         flex_blocker: why the flex backend cannot run this call
             (:func:`~qkv.backends.flex.flex_refusal`), or None when it can.
+        needs_grad: the call computes a gradient (then a sliding window is not cut into bands).
 
     Returns:
         The backend, a sentence explaining the choice, and for blockwise or flex its mask and
@@ -204,7 +211,10 @@ def choose_backend(
         return BackendChoice(
             "reference", "need_weights=True and only the reference backend returns weights"
         )
-    red = _reduction(mask, run_mask, B, H, T, S, strict=requested == "auto")
+    pairs = T * S
+    flex_first = compile_allowed() and flex_blocker is None and pairs >= BLOCKWISE_MIN_PAIRS
+    band = not needs_grad and not flex_first
+    red = _reduction(mask, run_mask, B, H, T, S, strict=requested == "auto", band=band)
     if red is not None:
         asked = "backend='fused' was requested; " if requested == "fused" else ""
         upcast = _upcast_note(query.dtype)
@@ -232,8 +242,7 @@ def choose_backend(
         else:
             why = "no structured mask"
         return BackendChoice("fused", f"{why}; {notes}")
-    pairs = T * S
-    if compile_allowed() and flex_blocker is None and pairs >= BLOCKWISE_MIN_PAIRS:
+    if flex_first:
         return BackendChoice(
             "flex",
             lambda: (
@@ -243,12 +252,19 @@ def choose_backend(
             ),
             run_mask,
         )
+    # Why a sliding window was not cut into bands, when that is the reason.
+    no_band = (
+        "; the sliding window is cut into band SDPA calls only when no gradient is needed "
+        "(fwd+bwd through the bands was measured slower)"
+        if needs_grad and _has_window(run_mask)
+        else ""
+    )
     mat_bytes = 5 * pairs * (B if _per_batch(mask) else 1)
     if mat_bytes > MATERIALIZE_LIMIT_BYTES:
         return BackendChoice(
             "blockwise",
             f"materializing the mask for SDPA would take about {_mb(mat_bytes)} "
-            f"(limit {_mb(MATERIALIZE_LIMIT_BYTES)}); blockwise never builds it",
+            f"(limit {_mb(MATERIALIZE_LIMIT_BYTES)}); blockwise never builds it{no_band}",
             run_mask,
         )
     if pairs < BLOCKWISE_MIN_PAIRS:
@@ -275,7 +291,7 @@ def choose_backend(
     if skipped >= BLOCKWISE_MIN_SKIP:
         return BackendChoice(
             "blockwise",
-            f"{sm!r}: {tiles}, and blockwise skips them",
+            f"{sm!r}: {tiles}, and blockwise skips them{no_band}",
             run_mask,
             plan if sm is run_mask else None,
         )
@@ -305,12 +321,14 @@ def _reduction(
     S: int,
     *,
     strict: bool,
+    band: bool,
 ) -> Reduction | None:
     """The exact SDPA reduction of a structured mask (or a causal call SDPA's flag cannot take
     as it is), if one exists and its own mask pieces stay within :data:`MATERIALIZE_LIMIT_BYTES`.
 
     ``strict`` (``auto``): on a grid blockwise would be considered for, also refuse one that
     leaves most pairs under a ``[T, S]``-shaped piece mask, where blockwise may skip more.
+    ``band``: a sliding window may be cut into band calls.
     """
     if isinstance(mask, Tensor):
         padding = padding_of_tensor(mask, B)
@@ -319,7 +337,7 @@ def _reduction(
         run_mask = padding if run_mask is None else _with_tensor_as(run_mask, padding)
     elif run_mask is None or (mask is None and T == S):
         return None  # is_causal with T == S goes to SDPA's own flag
-    red = reduce_mask(run_mask, B, H, T, S)
+    red = reduce_mask(run_mask, B, H, T, S, band=band)
     if red is None:
         return None
     masked = [(len(g.batch), p) for g in red.groups for p in g.pieces if p.kind == "masked"]
@@ -385,6 +403,12 @@ def _has_row_rules(mask: StructuredMask) -> bool:
     """Whether a mask's pieces may need ``[T, S]``-shaped masks (not only ``[B, 1, 1, S]``)."""
     parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
     return any(not isinstance(p, Padding) for p in parts)
+
+
+def _has_window(mask: StructuredMask | None) -> bool:
+    """Whether a mask has a :class:`SlidingWindow` part with a window (not plain causal)."""
+    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
+    return any(isinstance(p, SlidingWindow) and p.window is not None for p in parts)
 
 
 def _per_batch(mask: object) -> bool:

@@ -12,7 +12,12 @@ region is a call SDPA already runs at full speed, with no mask tensor at all:
   combined with a causal part, are grouped by length;
 - ``Documents`` with sorted ids: one call per document on that document's queries and keys,
   never a dense ``[T, S]`` mask;
-- combinations compose: a document's keys are cut by the padding, then made causal.
+- ``SlidingWindow`` (a window that binds; one that never does is causal): the *band*: queries in
+  blocks of :data:`BAND_BLOCK` rows, one call per block over just the keys its rows can see, with
+  the window's own small mask on the band's ragged edges. Used only where the band is at most
+  :data:`BAND_MAX_SHARE` of the grid and the caller allows it (the dispatcher: forward only);
+- combinations compose: a document's keys are cut by the padding, then made causal (or cut into
+  bands).
 
 :func:`reduce_mask` finds these pieces for one call (eagerly, from the rule's lengths and ids:
 this is planning, like the blockwise tile plan, and is skipped while tracing or compiling);
@@ -42,10 +47,21 @@ MAX_CALLS = 256
 """A reduction needing more SDPA calls than this (many tiny documents) is not made."""
 MAX_LENGTH_GROUPS = 1024
 """Suffix padding with at most this many distinct lengths runs one maskless call per length."""
+BAND_BLOCK = 128
+"""Query rows per band call of a sliding window: each call spans ``BAND_BLOCK + window - 1`` keys
+at most, so smaller blocks compute fewer masked pairs but make more calls."""
+BAND_MAX_SHARE = 0.5
+"""A band reduction computing more than this share of the ``T x S`` pairs is not made."""
+BAND_MAX_CALLS = 4096
+"""A band reduction needing more SDPA calls than this is not made (each call has at most
+:data:`BAND_BLOCK` rows, so :data:`MAX_CALLS` would cap it at 32k queries)."""
 
 Kind = Literal["open", "causal", "masked", "dead"]
 
 __all__ = [
+    "BAND_BLOCK",
+    "BAND_MAX_CALLS",
+    "BAND_MAX_SHARE",
     "MAX_CALLS",
     "MAX_LENGTH_GROUPS",
     "Piece",
@@ -107,12 +123,16 @@ class Reduction:
         grid: ``(B, H, T, S)``.
         describe: makes the sentence for :func:`qkv.explain_backend` (see :attr:`summary`),
             only when asked: models reduce their mask in every layer of every forward.
+        piece_mask: the rule masked pieces ask for their tile instead of ``mask``, or None: a
+            band reduction whose keys are already cut to each sample's live keys and documents
+            needs only its window parts there.
     """
 
     mask: StructuredMask
     groups: tuple[Group, ...]
     grid: tuple[int, int, int, int]
     describe: Callable[[], str] = field(compare=False, repr=False, default=lambda: "")
+    piece_mask: StructuredMask | None = field(default=None, compare=False, repr=False)
 
     @property
     def summary(self) -> str:
@@ -152,6 +172,22 @@ def _causal_pieces(q0: int, q1: int, k0: int, k1: int, offset: int | None) -> li
     return [edge, *_causal_pieces(q0 + r, q1, k0, k1, None)]
 
 
+def _band_pieces(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int) -> list[Piece]:
+    """Band pieces of queries ``[q0, q1)`` over keys ``[k0, k1)``, where query ``q`` may see
+    keys ``[q + lo, q + hi)`` of them: one piece per :data:`BAND_BLOCK` query rows, over the keys
+    any of its rows can see; ``"open"`` when every row sees all of them."""
+    pieces: list[Piece] = []
+    for s in range(q0, q1, BAND_BLOCK):
+        e = min(s + BAND_BLOCK, q1)
+        a, b = max(k0, s + lo), min(k1, e - 1 + hi)  # the union of the rows' key ranges
+        if b <= a:
+            pieces.append(Piece(s, e, 0, 0, "dead"))
+            continue
+        every_row_sees_all = e - 1 + lo <= a and s + hi >= b
+        pieces.append(Piece(s, e, a, b, "open" if every_row_sees_all else "masked"))
+    return pieces
+
+
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     """``(id, start, end)`` of each run of equal ids."""
     runs: list[tuple[int, int, int]] = []
@@ -171,15 +207,22 @@ class _Parts:
     causal: list[SlidingWindow] | None = None
     padding: list[Padding] | None = None
     documents: list[Documents] | None = None
+    windows: list[SlidingWindow] | None = None
 
 
-def _split(mask: StructuredMask) -> _Parts:
+def _split(mask: StructuredMask, T: int, S: int) -> _Parts:
     parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
-    out = _Parts(causal=[], padding=[], documents=[])
+    out = _Parts(causal=[], padding=[], documents=[], windows=[])
     assert out.causal is not None and out.padding is not None and out.documents is not None
+    assert out.windows is not None
     for p in parts:
-        if isinstance(p, SlidingWindow) and p.window is None:
+        # A window wider than the largest query-key distance (T - 1 + offset) never binds.
+        if isinstance(p, SlidingWindow) and (
+            p.window is None or p.window > T - 1 + query_offset(T, S, p.align, p.offset)
+        ):
             out.causal.append(p)
+        elif isinstance(p, SlidingWindow):
+            out.windows.append(p)
         elif isinstance(p, Padding):
             out.padding.append(p)
         elif isinstance(p, Documents):
@@ -216,10 +259,18 @@ def _sample_pieces(
     parts: _Parts, b: int, T: int, S: int, limit: int, holes: bool
 ) -> list[Piece] | None:
     """The pieces of sample ``b``, or None when its documents are not contiguous runs."""
-    assert parts.causal is not None and parts.documents is not None
+    assert parts.causal is not None and parts.documents is not None and parts.windows is not None
     offset = (
         min(query_offset(T, S, c.align, c.offset) for c in parts.causal) if parts.causal else None
     )
+    band: tuple[int, int] | None = None
+    if parts.windows:
+        # Query q may see keys [q + lo, q + hi): each window allows keys q + off - w + 1 ..
+        # q + off, each causal part keys up to q + off.
+        offs = [query_offset(T, S, w.align, w.offset) for w in parts.windows]
+        lo = max(o - (w.window or 0) + 1 for o, w in zip(offs, parts.windows, strict=True))
+        hi = min(offs if offset is None else [*offs, offset]) + 1
+        band = (lo, hi)
     segments: list[tuple[int, int, int, int]] = []  # (q0, q1, k0, k1)
     if not parts.documents:
         segments.append((0, T, 0, limit))
@@ -238,7 +289,12 @@ def _sample_pieces(
     pieces: list[Piece] = []
     for q0, q1, k0, k1 in segments:
         local = None if offset is None else q0 + offset - k0
-        for p in _causal_pieces(q0, q1, k0, k1, local):
+        cut = (
+            _causal_pieces(q0, q1, k0, k1, local)
+            if band is None
+            else _band_pieces(q0, q1, k0, k1, *band)
+        )
+        for p in cut:
             if holes and p.kind in ("open", "causal"):
                 p = Piece(p.q0, p.q1, p.k0, p.k1, "masked")
             pieces.append(p)
@@ -255,7 +311,9 @@ def _merge_dead(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reduction | None:
+def reduce_mask(
+    mask: StructuredMask, B: int, H: int, T: int, S: int, *, band: bool = False
+) -> Reduction | None:
     """Cut a (validated) mask into SDPA calls, if it is made of reducible parts and that pays.
 
     Args:
@@ -265,19 +323,23 @@ def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reducti
         H: query heads.
         T: query length.
         S: key length.
+        band: also cut a binding ``SlidingWindow`` into band calls (see the module docstring).
 
     Returns:
-        The reduction, or None: a part that is not ``Causal`` / ``Padding`` / ``Documents``,
-        documents that are not contiguous runs, more than :data:`MAX_CALLS` calls, a result that
-        would only be the whole mask materialized, or a call being traced or compiled (the
-        pieces are read from the rule's values).
+        The reduction, or None: a part that is not ``Causal`` / ``Padding`` / ``Documents`` (nor,
+        with ``band``, ``SlidingWindow``), documents that are not contiguous runs, more than
+        :data:`MAX_CALLS` calls (:data:`BAND_MAX_CALLS` for a band), a band over more than
+        :data:`BAND_MAX_SHARE` of the pairs, a result that would only be the whole mask
+        materialized, or a call being traced or compiled (the pieces are read from the rule's
+        values).
     """
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
-    parts = _split(mask)
-    if not parts.ok:
+    parts = _split(mask, T, S)
+    if not parts.ok or (parts.windows and not band):
         return None
     assert parts.padding is not None and parts.documents is not None and parts.causal is not None
+    assert parts.windows is not None
     limits, holes = _key_limits(parts.padding, B, S)
     by_pieces: dict[tuple[Piece, ...], list[int]] = {}
     lengths = len(set(limits))
@@ -285,6 +347,7 @@ def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reducti
         parts.padding
         and not parts.documents
         and not parts.causal
+        and not parts.windows
         and (any(holes) or lengths == 1 or lengths > MAX_LENGTH_GROUPS)
     ):
         # Padding alone: one batched call on the keys up to the longest live length, with the
@@ -303,11 +366,19 @@ def reduce_mask(mask: StructuredMask, B: int, H: int, T: int, S: int) -> Reducti
     groups = tuple(Group(tuple(bs), ps) for ps, bs in by_pieces.items())
     red = Reduction(mask, groups, (B, H, T, S))
     every = [p for g in groups for p in g.pieces]
-    if red.calls == 0 or red.calls > MAX_CALLS:
+    if red.calls == 0 or red.calls > (BAND_MAX_CALLS if parts.windows else MAX_CALLS):
         return None
     if red.pairs == B * T * S and all(p.kind == "masked" for p in every):
         return None  # nothing cut: that is the materialized mask
-    return Reduction(mask, groups, (B, H, T, S), lambda: _summary(red, parts, limits))
+    if parts.windows and red.pairs > BAND_MAX_SHARE * B * T * S:
+        return None  # a wide band: skipping tiles (blockwise) or the dense mask pays more
+    piece_mask: StructuredMask | None = None
+    if parts.windows and not any(holes):
+        # Every piece's keys are live and of its queries' document: only the windows (and
+        # causal parts) can block inside it.
+        rules = [*parts.windows, *parts.causal]
+        piece_mask = rules[0] if len(rules) == 1 else AnyOf(*rules)
+    return Reduction(mask, groups, (B, H, T, S), lambda: _summary(red, parts, limits), piece_mask)
 
 
 def _summary(red: Reduction, parts: _Parts, limits: list[int]) -> str:
@@ -322,6 +393,14 @@ def _summary(red: Reduction, parts: _Parts, limits: list[int]) -> str:
             facts.append(f"samples grouped by length ({len(red.groups)} groups)")
     if parts.documents:
         facts.append("one SDPA call per document")
+    if parts.windows:
+        band = [p for p in every if p.kind != "dead"]
+        widths = sorted({p.k1 - p.k0 for p in band})
+        keys = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
+        facts.append(
+            f"sliding window → {len(band)} band SDPA call(s) of up to {BAND_BLOCK} query rows "
+            f"over {keys} keys each"
+        )
     masked = [p for p in every if p.kind == "masked"]
     if masked:
         big = max(masked, key=lambda p: p.pairs)
@@ -399,7 +478,8 @@ def reduced_attention(
                 continue
             mask: Tensor | None = None
             if p.kind == "masked":
-                tm = reduction.mask.tile(Tile(B, H, T, S, p.q0, p.q1, p.k0, p.k1, query.device))
+                rule = reduction.piece_mask or reduction.mask
+                tm = rule.tile(Tile(B, H, T, S, p.q0, p.q1, p.k0, p.k1, query.device))
                 if tm is EMPTY:
                     rows.append(query.new_zeros(len(g.batch), H, p.q1 - p.q0, Dv))
                     continue
