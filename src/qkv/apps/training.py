@@ -12,6 +12,7 @@ import os
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from qkv.train.inference import (
     load_trained,
 )
 from qkv.train.loop import RunOptions, train
+from qkv.train.task import SamplingKwargs
 
 __all__ = ["resume_command", "run_generate", "run_train"]
 
@@ -96,19 +98,27 @@ def run_train(args: argparse.Namespace) -> int:
     return code
 
 
+def _sampling(args: argparse.Namespace) -> SamplingKwargs:
+    """The decoding options ``qkv generate`` was given, for either kind of checkpoint."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "greedy": not args.sample,
+        "seed": args.seed,
+    }
+
+
+def _warm_then_time(run: Callable[[], Generation]) -> Generation:
+    run()  # warm-up: one-off first-call costs stay out of the timed run
+    return run()
+
+
 def _generate_qkv(args: argparse.Namespace) -> Generation:
     model, task, _ = load_trained(args.checkpoint)
-    generate_text(model, task, args.input, beam_size=args.beam, max_new_tokens=args.max_new_tokens)
-    return generate_text(
-        model,
-        task,
-        args.input,
-        beam_size=args.beam,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        greedy=not args.sample,
-        seed=args.seed,
+    sampling = _sampling(args)
+    return _warm_then_time(
+        lambda: generate_text(model, task, args.input, beam_size=args.beam, **sampling)
     )
 
 
@@ -118,21 +128,8 @@ def _generate_hf(args: argparse.Namespace) -> Generation:
             f"--beam {args.beam}: a Hugging Face decoder decodes greedily or by sampling"
         )
     model, tokenizer = load_hf_decoder(args.checkpoint)
-
-    def run() -> Generation:
-        return generate_hf(
-            model,
-            tokenizer,
-            args.input,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            greedy=not args.sample,
-            seed=args.seed,
-        )
-
-    run()  # warm-up
-    return run()
+    sampling = _sampling(args)
+    return _warm_then_time(lambda: generate_hf(model, tokenizer, args.input, **sampling))
 
 
 def run_generate(args: argparse.Namespace) -> int:

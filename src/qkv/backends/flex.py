@@ -36,15 +36,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from qkv.backends.reference import compute_dtype, drop_blocked_keys
-from qkv.masks.rules import (
-    AnyOf,
-    Dense,
-    Documents,
-    MaskMod,
-    Padding,
-    SlidingWindow,
-    StructuredMask,
-)
+from qkv.masks.rules import AnyOf, Dense, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 from qkv.masks.tiles import EMPTY, FULL, Tile, query_offset
 
 __all__ = [

@@ -57,6 +57,11 @@ def uses_sdpa_is_causal(T: int, S: int, mask: object, attn_bias: object, is_caus
     return _python_bool(is_causal and mask is None and attn_bias is None and T == S)
 
 
+EXACT_BACKWARD_MAX_BYTES = 256 * 2**20
+"""Above this, the exact backward's ~4 ``[B, H, T, S]`` tensors (scores, probabilities, their
+gradients) cost more memory than its precision is worth, and SDPA's backward runs instead."""
+
+
 def fused_attention(
     query: Tensor,
     key: Tensor,
@@ -86,7 +91,7 @@ def fused_attention(
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
     """
     B, H, T, _ = query.shape
-    exact = (
+    exact = (  # False with grad mode off, hence inside _ExactBackward.forward itself
         4 * B * H * T * key.shape[2] * query.element_size() <= EXACT_BACKWARD_MAX_BYTES
         and (dropout_p == 0.0 or not training)
         and query.device.type == "cpu"
@@ -98,76 +103,9 @@ def fused_attention(
         out = _ExactBackward.apply(query, key, value, attn_bias, mask, is_causal, scale)
         assert isinstance(out, Tensor)
         return out
-    return _sdpa(query, key, value, mask, attn_bias, is_causal, scale, dropout_p, training)
-
-
-EXACT_BACKWARD_MAX_BYTES = 256 * 2**20
-"""Above this, the exact backward's ~4 ``[B, H, T, S]`` tensors (scores, probabilities, their
-gradients) cost more memory than its precision is worth, and SDPA's backward runs instead."""
-
-
-class _ExactBackward(torch.autograd.Function):
-    """SDPA's forward; the backward of the reference formula, recomputed (float32 or float64)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attn_bias: Tensor | None,
-        mask: Tensor | None,
-        is_causal: bool,
-        scale: float,
-    ) -> Tensor:
-        ctx.save_for_backward(query, key, value, attn_bias, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return _sdpa(query, key, value, mask, attn_bias, is_causal, scale, 0.0, False)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value, attn_bias, mask = ctx.saved_tensors
-        inputs = [query, key, value, attn_bias]
-        leaves = [
-            None if x is None or not need else x.detach().requires_grad_()
-            for x, need in zip(inputs, ctx.needs_input_grad[:4], strict=True)
-        ]
-        q, k, v, b = (
-            x.detach() if leaf is None and x is not None else leaf
-            for x, leaf in zip(inputs, leaves, strict=True)
-        )
-        assert q is not None and k is not None and v is not None
-        if ctx.is_causal:
-            mask = _with_causal(mask, query.shape[2], key.shape[2], query.device)
-        with torch.enable_grad():
-            out, _ = reference_attention(q, k, v, mask, b, ctx.scale, 0.0, False)  # [B, H, T, Dv]
-            wanted = [x for x in leaves if x is not None]
-            grads = iter(torch.autograd.grad(out, wanted, d_out))
-        return (*(None if x is None else next(grads) for x in leaves), None, None, None)
-
-
-def _with_causal(mask: Tensor | None, T: int, S: int, device: torch.device) -> Tensor:
-    """``mask`` OR the bottom-right causal mask, for when SDPA's own is_causal cannot serve."""
-    causal = causal_mask(T, S, align="bottom_right", device=device)  # [1, 1, T, S]
-    return causal if mask is None else mask | causal  # [B|1, H|1, T, S]
-
-
-def _sdpa(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Tensor | None,
-    attn_bias: Tensor | None,
-    is_causal: bool,
-    scale: float,
-    dropout_p: float,
-    training: bool,
-) -> Tensor:
-    """The SDPA call itself, arguments as :func:`fused_attention`'s."""
     out_dtype = query.dtype
     work = compute_dtype(out_dtype)
-    T, S = query.shape[2], key.shape[2]
+    S = key.shape[2]
     sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal)
     if is_causal and not sdpa_causal:
         mask = _with_causal(mask, T, S, query.device)  # [B|1, H|1, T, S]
@@ -199,3 +137,61 @@ def _sdpa(
         if dead is not None:
             out = out.masked_fill(dead, 0.0)  # [B, H, T, Dv]
     return out.to(out_dtype)
+
+
+class _ExactBackward(torch.autograd.Function):
+    """SDPA's forward; the backward of the reference formula, recomputed (float32 or float64)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: Tensor | None,
+        mask: Tensor | None,
+        is_causal: bool,
+        scale: float,
+    ) -> Tensor:
+        ctx.save_for_backward(query, key, value, attn_bias, mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        # grad mode is off inside Function.forward, so this call runs SDPA, not _ExactBackward
+        return fused_attention(
+            query,
+            key,
+            value,
+            mask,
+            attn_bias,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=0.0,
+            training=False,
+        )  # [B, H, T, Dv]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, attn_bias, mask = ctx.saved_tensors
+        inputs = [query, key, value, attn_bias]
+        leaves = [
+            None if x is None or not need else x.detach().requires_grad_()
+            for x, need in zip(inputs, ctx.needs_input_grad[:4], strict=True)
+        ]
+        q, k, v, b = (
+            x.detach() if leaf is None and x is not None else leaf
+            for x, leaf in zip(inputs, leaves, strict=True)
+        )
+        assert q is not None and k is not None and v is not None
+        if ctx.is_causal:
+            mask = _with_causal(mask, query.shape[2], key.shape[2], query.device)
+        with torch.enable_grad():
+            out, _ = reference_attention(q, k, v, mask, b, ctx.scale, 0.0, False)  # [B, H, T, Dv]
+            wanted = [x for x in leaves if x is not None]
+            grads = iter(torch.autograd.grad(out, wanted, d_out))
+        return (*(None if x is None else next(grads) for x in leaves), None, None, None)
+
+
+def _with_causal(mask: Tensor | None, T: int, S: int, device: torch.device) -> Tensor:
+    """``mask`` OR the bottom-right causal mask, for when SDPA's own is_causal cannot serve."""
+    causal = causal_mask(T, S, align="bottom_right", device=device)  # [1, 1, T, S]
+    return causal if mask is None else mask | causal  # [B|1, H|1, T, S]

@@ -204,6 +204,18 @@ class ModelConfig(ConfigDict):
         )
         return self.max_positions
 
+    def positional_kwargs(self) -> dict[str, Any]:
+        """The arguments of :func:`~qkv.nn.positions.make_positional` for a model built from
+        this config (its ``positional`` module)."""
+        return {
+            "kind": self.positional,
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "max_positions": self.max_positions,
+            "rope_theta": self.rope_theta,
+            "rope_layout": self.rope_layout,
+        }
+
     def layer_kwargs(self) -> dict[str, Any]:
         """The constructor arguments every :class:`~qkv.nn.layers.EncoderLayer` /
         :class:`~qkv.nn.layers.DecoderLayer` of a model built from this config shares."""

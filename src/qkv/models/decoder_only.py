@@ -17,10 +17,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-import qkv.masks as masks
 from qkv.models.config import DecoderOnlyConfig
 from qkv.models.generate import sample_decoder_only
-from qkv.models.inputs import check_ids, padding_from_ids, resolve_kv_cache
+from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.norms import make_norm
@@ -88,14 +87,7 @@ class DecoderOnlyLM(nn.Module):
         self.config = c
         D = c.d_model
         self.embed = nn.Embedding(c.vocab_size, D)
-        self.positional = make_positional(
-            c.positional,
-            D,
-            c.num_heads,
-            c.max_positions,
-            rope_theta=c.rope_theta,
-            rope_layout=c.rope_layout,
-        )
+        self.positional = make_positional(**c.positional_kwargs())
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = Encoder(
             [EncoderLayer(**c.layer_kwargs()) for _ in range(c.num_layers)],
@@ -154,13 +146,9 @@ class DecoderOnlyLM(nn.Module):
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
         check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
-        T = ids.shape[1]
-        is_pad = padding_from_ids(ids, padding_mask, c.pad_id, "padding_mask", validate)
-        offset = 0
-        if cache is not None:
-            offset = cache.length
-            is_pad = cache.append_padding(is_pad, T)  # [B, S] or None
-        mask = None if is_pad is None else masks.padding_mask(is_pad)  # [B, 1, 1, S]
+        mask, offset = self_attention_padding(
+            ids, padding_mask, c.pad_id, "padding_mask", cache, validate
+        )  # [B, 1, 1, S] or None
         x = self.embed(ids)  # [B, T, D]
         x, pos = position_inputs(self.positional, x, offset, causal=True)
         x = self.embed_dropout(x)  # [B, T, D]

@@ -13,10 +13,17 @@ import warnings
 import torch
 from torch import Tensor
 
+import qkv.masks as masks
 from qkv.checks import checks_values
 from qkv.nn.kv_cache import KVCache
 
-__all__ = ["check_ids", "key_padding", "padding_from_ids", "resolve_kv_cache"]
+__all__ = [
+    "check_ids",
+    "key_padding",
+    "padding_from_ids",
+    "resolve_kv_cache",
+    "self_attention_padding",
+]
 
 
 def check_ids(
@@ -125,6 +132,41 @@ def padding_from_ids(
     if padding_mask is None and pad_id is not None:
         padding_mask = ids == pad_id  # [B, L]
     return key_padding(padding_mask, ids, name, validate)
+
+
+def self_attention_padding(
+    ids: Tensor,
+    padding_mask: Tensor | None,
+    pad_id: int | None,
+    name: str,
+    kv_cache: KVCache | None,
+    validate: bool = True,
+) -> tuple[Tensor | None, int]:
+    """The causal self-attention's padding mask over cached + new keys, and the new tokens'
+    first position; what every decoder computes before its embeddings.
+
+    Args:
+        ids: ``[B, T]`` new token ids (already checked).
+        padding_mask: bool ``[B, T]``, True = padding, or None (then ``ids == pad_id``).
+        pad_id: the padding token, or None.
+        name: the mask argument's name, for the message.
+        kv_cache: the decoding cache: its padding is extended by this call's, and the positions
+            continue from its ``length``; None: positions start at 0.
+        validate: see :func:`qkv.checks.checks_values`.
+
+    Returns:
+        ``(mask, offset)``: bool ``[B, 1, 1, S]`` (True = blocked, ``S`` = cached + new) or
+        None when nothing is padding, and the position of ``ids[:, 0]``.
+
+    Raises:
+        TypeError / ValueError: as :func:`key_padding`.
+    """
+    is_pad = padding_from_ids(ids, padding_mask, pad_id, name, validate)  # [B, T] or None
+    offset = 0
+    if kv_cache is not None:
+        offset = kv_cache.length
+        is_pad = kv_cache.append_padding(is_pad, ids.shape[1])  # [B, S] or None
+    return (None if is_pad is None else masks.padding_mask(is_pad)), offset  # [B, 1, 1, S]
 
 
 def resolve_kv_cache(kv_cache: KVCache | None, cache: KVCache | None) -> KVCache | None:

@@ -15,7 +15,13 @@ from torch import Tensor, nn
 from qkv.masks import padding_mask
 from qkv.models.config import TransformerConfig
 from qkv.models.generate import beam_search, check_beam_options, greedy_encoder_decoder
-from qkv.models.inputs import check_ids, key_padding, padding_from_ids, resolve_kv_cache
+from qkv.models.inputs import (
+    check_ids,
+    key_padding,
+    padding_from_ids,
+    resolve_kv_cache,
+    self_attention_padding,
+)
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.norms import make_norm
@@ -50,14 +56,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(D)
         self.src_embed = nn.Embedding(c.src_vocab_size, D)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
-        self.positional = make_positional(
-            c.positional,
-            D,
-            c.num_heads,
-            c.max_positions,
-            rope_theta=c.rope_theta,
-            rope_layout=c.rope_layout,
-        )
+        self.positional = make_positional(**c.positional_kwargs())
         self.embed_dropout = nn.Dropout(c.dropout)
         layer_kw = c.layer_kwargs()
         self.encoder = Encoder(
@@ -185,13 +184,9 @@ class Transformer(nn.Module):
                 f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
                 f"got {tuple(memory.shape)}"
             )
-        T = tgt.shape[1]
-        is_pad = padding_from_ids(tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", validate)
-        offset = 0
-        if cache is not None:
-            offset = cache.length
-            is_pad = cache.append_padding(is_pad, T)  # [B, S_cached + T] or None
-        self_mask = None if is_pad is None else padding_mask(is_pad)  # [B, 1, 1, S_t]
+        self_mask, offset = self_attention_padding(
+            tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", cache, validate
+        )  # [B, 1, 1, S_cached + T] or None
         src_pad = None
         if src_padding_mask is not None:
             if src_padding_mask.shape != memory.shape[:2]:

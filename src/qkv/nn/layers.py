@@ -19,22 +19,23 @@ Shapes: B batch, T target length, S source length, D model width, H heads; input
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import Tensor, nn
 
+from qkv.nn.extras import DecoderLayerExtras, EncoderLayerExtras
 from qkv.nn.feed_forward import Activation, FeedForward
 from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.norms import NormKind, make_norm
-
-if TYPE_CHECKING:
-    from qkv.nn.kv_cache import KVCache
 
 __all__ = ["DecoderLayer", "EncoderLayer", "NormKind", "make_norm"]
 
 # (attention mask, key-padding mask) of one attention block, in PyTorch's senses
 _Masks = tuple[Tensor | None, Tensor | None]
+# keyword arguments of one MultiHeadAttention call (qkv's extras: bias, rotary tables, cache)
+_Extras = Mapping[str, object]
 
 
 class _Layer(nn.Module):
@@ -117,7 +118,7 @@ class _Layer(nn.Module):
         kv: Tensor,
         masks: _Masks,
         is_causal: bool,
-        extra: dict[str, Any],
+        extra: _Extras,
     ) -> Tensor:
         attn_mask, key_padding_mask = masks
         out, _ = attn(
@@ -132,9 +133,7 @@ class _Layer(nn.Module):
         )
         return out  # [B, T, D]
 
-    def _self_block(
-        self, x: Tensor, masks: _Masks, is_causal: bool, extra: dict[str, Any]
-    ) -> Tensor:
+    def _self_block(self, x: Tensor, masks: _Masks, is_causal: bool, extra: _Extras) -> Tensor:
         return self.dropout1(self._attend(self.self_attn, x, x, masks, is_causal, extra))
 
 
@@ -153,11 +152,7 @@ class EncoderLayer(_Layer):
         src_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
-        *,
-        attn_bias: Tensor | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        kv_cache: KVCache | None = None,
-        layer_idx: int = 0,
+        **extras: Unpack[EncoderLayerExtras],
     ) -> Tensor:
         """``nn.TransformerEncoderLayer.forward``, plus qkv's keyword-only extras.
 
@@ -169,27 +164,19 @@ class EncoderLayer(_Layer):
             src_key_padding_mask: ``[B, S]``, bool True = padding, or float added to the scores.
             is_causal: also block future positions (bottom-right aligned, right with a cache);
                 PyTorch reads it as a hint that ``src_mask`` is causal: the same result then.
-            attn_bias: float score bias ``[*, H, T, S]`` (ALiBi).
-            rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for these positions.
-            kv_cache: decode incrementally: keys/values of earlier tokens come from the cache.
-            layer_idx: this layer's slot in the cache.
+            **extras: ``attn_bias``, ``rope``, ``kv_cache``, ``layer_idx``, passed to the
+                self-attention (see :class:`~qkv.nn.extras.EncoderLayerExtras`).
 
         Returns:
             The input's shape and layout.
         """
         x = src
         masks = (src_mask, src_key_padding_mask)
-        extra: dict[str, Any] = {
-            "attn_bias": attn_bias,
-            "rope": rope,
-            "kv_cache": kv_cache,
-            "layer_idx": layer_idx,
-        }
         if self.norm_first:
-            x = x + self._self_block(self.norm1(x), masks, is_causal, extra)  # [B, T, D]
+            x = x + self._self_block(self.norm1(x), masks, is_causal, extras)  # [B, T, D]
             x = x + self.dropout2(self.ffn(self.norm2(x)))  # [B, T, D]
         else:
-            x = self.norm1(x + self._self_block(x, masks, is_causal, extra))  # [B, T, D]
+            x = self.norm1(x + self._self_block(x, masks, is_causal, extras))  # [B, T, D]
             x = self.norm2(x + self.dropout2(self.ffn(x)))  # [B, T, D]
         return x
 
@@ -206,7 +193,7 @@ class DecoderLayer(_Layer):
     dropout3: nn.Dropout
 
     def _cross_block(
-        self, x: Tensor, memory: Tensor, masks: _Masks, is_causal: bool, extra: dict[str, Any]
+        self, x: Tensor, memory: Tensor, masks: _Masks, is_causal: bool, extra: _Extras
     ) -> Tensor:
         return self.dropout2(self._attend(self.cross_attn, x, memory, masks, is_causal, extra))
 
@@ -220,11 +207,7 @@ class DecoderLayer(_Layer):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
-        *,
-        self_attn_bias: Tensor | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        kv_cache: KVCache | None = None,
-        layer_idx: int = 0,
+        **extras: Unpack[DecoderLayerExtras],
     ) -> Tensor:
         """``nn.TransformerDecoderLayer.forward``, plus qkv's keyword-only extras.
 
@@ -241,12 +224,9 @@ class DecoderLayer(_Layer):
             tgt_is_causal: block future target positions (bottom-right aligned). Default
                 False, as in PyTorch: pass it (or a causal ``tgt_mask``) for a decoder.
             memory_is_causal: the same for the cross-attention.
-            self_attn_bias: float score bias for the self-attention (ALiBi).
-            rope: ``(cos, sin)`` ``[T, Dh]`` rotary tables for the target positions (self-attention
-                only).
-            kv_cache: decode incrementally: self-attention keys/values are appended, the
-                cross-attention ones computed once.
-            layer_idx: this layer's slot in the cache.
+            **extras: ``self_attn_bias``, ``rope``, ``kv_cache``, ``layer_idx`` (see
+                :class:`~qkv.nn.extras.DecoderLayerExtras`); the cross-attention takes only
+                the cache and its slot.
 
         Returns:
             The target's shape and layout.
@@ -254,13 +234,9 @@ class DecoderLayer(_Layer):
         x = tgt
         self_masks = (tgt_mask, tgt_key_padding_mask)
         cross_masks = (memory_mask, memory_key_padding_mask)
-        sa: dict[str, Any] = {
-            "attn_bias": self_attn_bias,
-            "rope": rope,
-            "kv_cache": kv_cache,
-            "layer_idx": layer_idx,
-        }
-        ca: dict[str, Any] = {"kv_cache": kv_cache, "layer_idx": layer_idx, "cross": True}
+        cache = {"kv_cache": extras.get("kv_cache"), "layer_idx": extras.get("layer_idx", 0)}
+        sa = {**cache, "rope": extras.get("rope"), "attn_bias": extras.get("self_attn_bias")}
+        ca = {**cache, "cross": True}
         if self.norm_first:
             x = x + self._self_block(self.norm1(x), self_masks, tgt_is_causal, sa)  # [B, T, D]
             x = x + self._cross_block(

@@ -55,6 +55,67 @@ def _torch_mask(name: str, m: Tensor, B: int, H: int, S: int) -> Tensor:
     return reshape_mha_attn_mask(m, B, H)  # [1, 1, T, S] or [B, H, T, S]
 
 
+def _check_flags(**flags: bool | None) -> None:
+    """``forward``'s flags are bools (``need_weights`` may be None: the backend's default).
+
+    Raises:
+        TypeError: a flag that is not a bool, a tensor named as such (a mask passed where a flag
+            stands in the positional order).
+    """
+    for name, flag in flags.items():
+        if isinstance(flag, Tensor):
+            raise TypeError(
+                f"{name} must be a bool, got a Tensor; the positional order is "
+                f"nn.MultiheadAttention's (query, key, value, key_padding_mask, "
+                f"need_weights, attn_mask, average_attn_weights, is_causal)"
+            )
+        if flag is not None:
+            check_bool(name, flag)
+
+
+def _merge_masks(
+    torch_masks: dict[str, Tensor | None],
+    mask: Tensor | StructuredMask | None,
+    attn_bias: Tensor | None,
+    B: int,
+    H: int,
+    S: int,
+) -> tuple[Tensor | StructuredMask | None, Tensor | None]:
+    """PyTorch-style masks joined to qkv's: bool ones to ``mask``, float ones to ``attn_bias``.
+
+    Args:
+        torch_masks: ``key_padding_mask`` / ``attn_mask`` by name, in ``nn.MultiheadAttention``'s
+            shapes and senses (see :func:`_torch_mask`), or None.
+        mask: qkv's blocked mask (True = blocked) or a :mod:`qkv.masks` rule, or None.
+        attn_bias: float score bias broadcastable to ``[B, H, T, S]``, or None.
+        B: batch size.
+        H: heads.
+        S: key length.
+
+    Returns:
+        ``(blocked, attn_bias)`` for :func:`qkv.attention`; a rule keeps its structure, with the
+        bool PyTorch masks as a ``Dense`` part.
+
+    Raises:
+        TypeError / ValueError: as :func:`_torch_mask`.
+    """
+    blocked_parts: list[Tensor] = []
+    for name, m in torch_masks.items():
+        if m is None:
+            continue
+        m4 = _torch_mask(name, m, B, H, S)  # [B|1, H|1, T|1, S]
+        if m4.dtype == torch.bool:
+            blocked_parts.append(m4)
+        else:  # PyTorch adds a float mask to the scores: so does qkv
+            attn_bias = m4 if attn_bias is None else attn_bias + m4  # [B|1, H|1, T|1, S]
+    dense = combine(*blocked_parts)
+    if isinstance(mask, StructuredMask):
+        # keep the structure (blockwise skips its empty tiles); PyTorch-style masks join it
+        # as a dense part
+        return (mask if dense is None else mask | Dense(dense)), attn_bias
+    return combine(mask, dense), attn_bias
+
+
 def _load_torch_keys(
     module: nn.Module,
     state_dict: dict[str, Any],
@@ -278,6 +339,23 @@ class MultiHeadAttention(nn.Module):
             layout = {2: "[L, D] (unbatched)", 3: "[B, L, D]" if self.batch_first else "[L, B, D]"}
             raise ValueError(f"{name} must be {layout[rank]} with D={width}, got {tuple(x.shape)}")
 
+    def _need_weights(self, need_weights: bool | None) -> bool:
+        """``need_weights`` resolved: None is True unless the backend returns no weights.
+
+        Raises:
+            ValueError: True with a backend that returns no weights.
+        """
+        weightless = self.backend in WEIGHTLESS_BACKENDS
+        if need_weights is None:
+            return not weightless
+        if need_weights and weightless:
+            raise ValueError(
+                f"need_weights=True, but this module was built with backend={self.backend!r}, "
+                "which returns no weights: call it with need_weights=False (or leave it unset), "
+                "or build it with backend='reference' or 'auto'"
+            )
+        return need_weights
+
     def _to_batch_first(self, x: Tensor, unbatched: bool) -> Tensor:
         if unbatched:
             return x[None]  # [1, L, D]
@@ -343,19 +421,11 @@ class MultiHeadAttention(nn.Module):
                 is not a bool (e.g. a mask passed where ``need_weights`` stands).
             ValueError: wrong input widths or ranks, mismatched mask shapes.
         """
-        for name, flag in (
-            ("need_weights", need_weights),
-            ("average_attn_weights", average_attn_weights),
-            ("is_causal", is_causal),
-        ):
-            if isinstance(flag, Tensor):
-                raise TypeError(
-                    f"{name} must be a bool, got a Tensor; the positional order is "
-                    f"nn.MultiheadAttention's (query, key, value, key_padding_mask, "
-                    f"need_weights, attn_mask, average_attn_weights, is_causal)"
-                )
-            if flag is not None:  # need_weights=None: the backend's default, below
-                check_bool(name, flag)
+        _check_flags(
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
         key = query if key is None else key
         value = key if value is None else value
         unbatched = isinstance(query, Tensor) and query.dim() == 2
@@ -373,23 +443,8 @@ class MultiHeadAttention(nn.Module):
                 f"query, key and value must share B (and key/value S): got query "
                 f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
-        blocked_parts: list[Tensor] = []
-        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-            if m is None:
-                continue
-            m4 = _torch_mask(name, m, B, self.num_heads, S)  # [B|1, H|1, T|1, S]
-            if m4.dtype == torch.bool:
-                blocked_parts.append(m4)
-            else:  # PyTorch adds a float mask to the scores: so does qkv
-                attn_bias = m4 if attn_bias is None else attn_bias + m4  # [B|1, H|1, T|1, S]
-        torch_masks = combine(*blocked_parts)
-        blocked: Tensor | StructuredMask | None
-        if isinstance(mask, StructuredMask):
-            # keep the structure (blockwise skips its empty tiles); PyTorch-style masks join it
-            # as a dense part
-            blocked = mask if torch_masks is None else mask | Dense(torch_masks)
-        else:
-            blocked = combine(mask, torch_masks)
+        torch_masks = {"key_padding_mask": key_padding_mask, "attn_mask": attn_mask}
+        blocked, attn_bias = _merge_masks(torch_masks, mask, attn_bias, B, self.num_heads, S)
         q = self._split(self.q_proj(query), self.num_heads)  # [B, H, T, Dh]
         k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
         if rope is not None:
@@ -398,15 +453,7 @@ class MultiHeadAttention(nn.Module):
             # bottom-right alignment puts a lone query at the newest position: it may see every
             # key, so the causal mask would block nothing (the common cached decoding step)
             is_causal = False
-        weightless = self.backend in WEIGHTLESS_BACKENDS
-        if need_weights is None:
-            need_weights = not weightless
-        elif need_weights and weightless:
-            raise ValueError(
-                f"need_weights=True, but this module was built with backend={self.backend!r}, "
-                "which returns no weights: call it with need_weights=False (or leave it unset), "
-                "or build it with backend='reference' or 'auto'"
-            )
+        need_weights = self._need_weights(need_weights)
         want_weights = need_weights or self.record_weights
         out, weights = attention(
             q,

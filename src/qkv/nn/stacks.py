@@ -14,11 +14,12 @@ Masks: as :mod:`qkv.nn.layers` (PyTorch's senses; 4-D broadcastable to ``[B, H, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Unpack
 
 import torch
 from torch import Tensor, nn
 
-from qkv.nn.kv_cache import KVCache
+from qkv.nn.extras import DecoderExtras, EncoderExtras
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 
 __all__ = ["Decoder", "Encoder", "EncoderDecoder"]
@@ -43,12 +44,10 @@ class Encoder(nn.Module):
         mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool | None = None,
-        *,
-        attn_bias: Tensor | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        kv_cache: KVCache | None = None,
+        **extras: Unpack[EncoderExtras],
     ) -> Tensor:
-        """``nn.TransformerEncoder.forward``; args as :meth:`EncoderLayer.forward`.
+        """``nn.TransformerEncoder.forward``; args as :meth:`EncoderLayer.forward`, extras as
+        :class:`~qkv.nn.extras.EncoderExtras` (layer ``i`` gets ``layer_idx=i``).
 
         ``is_causal=None`` (PyTorch's default, which then inspects ``mask``) means False here:
         a causal ``mask`` blocks the same keys either way. Returns the input's shape.
@@ -56,14 +55,7 @@ class Encoder(nn.Module):
         x = src
         for i, layer in enumerate(self.layers):
             x = layer(
-                x,
-                mask,
-                src_key_padding_mask,
-                bool(is_causal),
-                attn_bias=attn_bias,
-                rope=rope,
-                kv_cache=kv_cache,
-                layer_idx=i,
+                x, mask, src_key_padding_mask, bool(is_causal), **extras, layer_idx=i
             )  # [B, T, D]
         return x if self.norm is None else self.norm(x)
 
@@ -91,12 +83,10 @@ class Decoder(nn.Module):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool | None = None,
         memory_is_causal: bool = False,
-        *,
-        self_attn_bias: Tensor | None = None,
-        rope: tuple[Tensor, Tensor] | None = None,
-        kv_cache: KVCache | None = None,
+        **extras: Unpack[DecoderExtras],
     ) -> Tensor:
-        """``nn.TransformerDecoder.forward``; args as :meth:`DecoderLayer.forward`.
+        """``nn.TransformerDecoder.forward``; args as :meth:`DecoderLayer.forward`, extras as
+        :class:`~qkv.nn.extras.DecoderExtras` (layer ``i`` gets ``layer_idx=i``).
 
         ``tgt_is_causal=None`` means False (no implicit causal mask, as in PyTorch).
         Returns the target's shape.
@@ -112,9 +102,7 @@ class Decoder(nn.Module):
                 memory_key_padding_mask,
                 bool(tgt_is_causal),
                 memory_is_causal,
-                self_attn_bias=self_attn_bias,
-                rope=rope,
-                kv_cache=kv_cache,
+                **extras,
                 layer_idx=i,
             )  # [B, T, D]
         return x if self.norm is None else self.norm(x)

@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 from tokenizers import Tokenizer
@@ -22,7 +22,7 @@ from qkv.train.checkpoint import (
     build_model,
     load_checkpoint,
 )
-from qkv.train.task import DecodeOptions, Task
+from qkv.train.task import DecodeKwargs, DecodeOptions, SamplingKwargs, Task
 from qkv.train.tasks import task_from_spec
 
 __all__ = [
@@ -73,18 +73,17 @@ class Generation:
     seconds: float
     tokens_per_s: float
 
+    @classmethod
+    def timed(cls, text: str, ids: list[int], seconds: float) -> Generation:
+        """The output of a decode that took ``seconds``, its speed computed."""
+        return cls(text, ids, seconds, len(ids) / seconds if seconds > 0 else 0.0)
+
 
 def generate_text(
     model: nn.Module,
     task: Task,
     text: str,
-    *,
-    beam_size: int = 1,
-    max_new_tokens: int | None = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    greedy: bool = True,
-    seed: int = 0,
+    **options: Unpack[DecodeKwargs],
 ) -> Generation:
     """Decode ``text`` with the model's KV-cached ``generate``, as the task decodes
     (:meth:`qkv.train.task.Task.generate`), and time it.
@@ -93,13 +92,10 @@ def generate_text(
         model: the task's model: a ``Transformer`` (sequence tasks) or ``DecoderOnlyLM`` (text).
         task: the checkpoint's task (its vocabulary encodes ``text``).
         text: the input (sequence tasks) or the prompt (text).
-        beam_size: beam search width for sequence tasks (1: greedy).
-        max_new_tokens: default: the task's longest target + 1, or for text what fits in the
-            model's ``max_positions`` after the prompt (at most the block size).
-        temperature: sampling temperature (text, when not ``greedy``).
-        top_k: sample among the k likeliest (text, when not ``greedy``).
-        greedy: text models: argmax decoding instead of sampling.
-        seed: the sampling generator's seed.
+        **options: the fields of :class:`~qkv.train.task.DecodeOptions` (``beam_size``,
+            ``max_new_tokens``, ``temperature``, ``top_k``, ``greedy``, ``seed``), with its
+            defaults. ``max_new_tokens`` default: the task's longest target + 1, or for text
+            what fits in the model's ``max_positions`` after the prompt (at most the block size).
 
     Returns:
         The decoded :class:`Generation`.
@@ -107,22 +103,16 @@ def generate_text(
     Raises:
         ValueError: an empty input, a character outside the vocabulary, ``beam_size < 1``, or
             beam search asked of a text model.
-        TypeError: a ``beam_size`` that is not an int.
+        TypeError: a ``beam_size`` that is not an int, an unknown option.
     """
-    options = DecodeOptions(beam_size, max_new_tokens, temperature, top_k, greedy, seed)
+    decode = DecodeOptions(**options)
     ids = task.vocab.encode(text)
     if not ids:
         raise ValueError("the input text is empty")
     t0 = time.perf_counter()
     with torch.no_grad():
-        new = task.generate(model, ids, options)
-    seconds = time.perf_counter() - t0
-    return Generation(
-        text=task.vocab.decode(new),
-        ids=new,
-        seconds=seconds,
-        tokens_per_s=len(new) / seconds if seconds > 0 else 0.0,
-    )
+        new = task.generate(model, ids, decode)
+    return Generation.timed(task.vocab.decode(new), new, time.perf_counter() - t0)
 
 
 def checkpoint_kind(path: str | Path) -> Literal["qkv", "hf"]:
@@ -206,12 +196,7 @@ def generate_hf(
     model: DecoderOnlyLM,
     tokenizer: Tokenizer | None,
     prompt: str,
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    greedy: bool = True,
-    seed: int = 0,
+    **options: Unpack[SamplingKwargs],
 ) -> Generation:
     """Continue ``prompt`` with a model from :func:`load_hf_decoder`, KV-cached, and time it.
 
@@ -220,12 +205,10 @@ def generate_hf(
         tokenizer: encodes the prompt and decodes the output; None: the prompt is space-separated
             token ids and the output is printed as ids.
         prompt: text, or ids (see ``tokenizer``).
-        max_new_tokens: default :data:`HF_DEFAULT_NEW_TOKENS`, at most what fits in the model's
-            ``max_positions``; generation also stops after the config's ``eos_token_id``.
-        temperature: sampling temperature (when not ``greedy``).
-        top_k: sample among the k likeliest (when not ``greedy``).
-        greedy: argmax decoding instead of sampling.
-        seed: the sampling generator's seed.
+        **options: ``max_new_tokens``, ``temperature``, ``top_k``, ``greedy``, ``seed``, as
+            :class:`~qkv.train.task.DecodeOptions` (no beams). ``max_new_tokens`` default:
+            :data:`HF_DEFAULT_NEW_TOKENS`, at most what fits in the model's ``max_positions``;
+            generation also stops after the config's ``eos_token_id``.
 
     Returns:
         The :class:`Generation` (``text``: the continuation only).
@@ -235,8 +218,9 @@ def generate_hf(
             leaves no room in ``max_positions``; see :meth:`DecoderOnlyLM.generate`.
     """
     c = model.config
+    decode = DecodeOptions(**options)
     ids = _prompt_ids(prompt, tokenizer, c.vocab_size)
-    n = max_new_tokens
+    n = decode.max_new_tokens
     if n is None:
         n = min(HF_DEFAULT_NEW_TOKENS, c.max_positions - len(ids))
         if n < 1:
@@ -248,14 +232,12 @@ def generate_hf(
         out = model.generate(
             torch.tensor([ids]),  # [1, P]
             n,
-            temperature=temperature,
-            top_k=top_k,
-            greedy=greedy,
-            generator=torch.Generator().manual_seed(seed),
+            temperature=decode.temperature,
+            top_k=decode.top_k,
+            greedy=decode.greedy,
+            generator=torch.Generator().manual_seed(decode.seed),
         )  # [1, P + n']
     seconds = time.perf_counter() - t0
     new = [int(i) for i in out[0, len(ids) :].tolist()]
     text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
-    return Generation(
-        text=text, ids=new, seconds=seconds, tokens_per_s=len(new) / seconds if seconds > 0 else 0.0
-    )
+    return Generation.timed(text, new, seconds)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,10 @@ __all__ = [
     "PAD_ID",
     "SPECIALS",
     "Batch",
+    "DecodeKwargs",
     "DecodeOptions",
     "EvalSums",
+    "SamplingKwargs",
     "Task",
     "Vocab",
     "is_held_out",
@@ -163,6 +165,25 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         check_positive_int("beam_size", self.beam_size)
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """:class:`DecodeOptions` as keywords, for a decoder that samples or decodes greedily (no
+    beams): ``max_new_tokens``, ``temperature``, ``top_k``, ``greedy``, ``seed``. The meanings
+    and defaults are :class:`DecodeOptions`'s."""
+
+    max_new_tokens: int | None
+    temperature: float
+    top_k: int | None
+    greedy: bool
+    seed: int
+
+
+class DecodeKwargs(SamplingKwargs, total=False):
+    """Every :class:`DecodeOptions` field as a keyword: :class:`SamplingKwargs` and
+    ``beam_size``."""
+
+    beam_size: int
 
 
 class Task(Protocol):
