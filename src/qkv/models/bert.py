@@ -12,19 +12,23 @@ converted once, at the edge, with :func:`qkv.masks.from_hf` into qkv's conventio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.checks import check_positive_int, check_probability
-from qkv.functional import BACKENDS, Backend
+from qkv.checks import check_positive_int, check_probability, checks_values
+from qkv.functional import BACKENDS, Backend, attention
 from qkv.masks import from_hf
 from qkv.masks import padding_mask as padding_mask_of
 from qkv.models.config import ConfigDict
 from qkv.models.inputs import check_ids, key_padding
+from qkv.models.packing import plan_packing
 from qkv.nn.layers import EncoderLayer
+from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.stacks import Encoder
 
 __all__ = ["BERT_ACTIVATIONS", "BertActivation", "BertConfig", "BertEmbeddings", "BertEncoder"]
@@ -196,6 +200,8 @@ class BertEncoder(nn.Module):
             layers.append(layer)
         self.encoder = Encoder(layers, norm=None)  # post-norm: each layer already ends in one
         self.backend = backend
+        # layer index -> (the weights it was built from, fused [3D, D] weight, [3D] bias)
+        self._in_proj: dict[int, tuple[tuple[object, ...], Tensor, Tensor | None]] = {}
 
     @property
     def backend(self) -> str:
@@ -219,6 +225,7 @@ class BertEncoder(nn.Module):
         *,
         padding_mask: Tensor | None = None,
         validate: bool = True,
+        unpad: bool = False,
     ) -> Tensor:
         """Encode a batch.
 
@@ -232,6 +239,12 @@ class BertEncoder(nn.Module):
                 ``[B, T]``, True = padding. Give this or ``attention_mask``, not both.
             validate: check the id and ``attention_mask`` values (a host sync per call);
                 False, or tracing / compiling, skips it (see :func:`qkv.checks.checks_values`).
+                A checked mask without any padding is dropped, so attention runs maskless.
+            unpad: run the layers on the real tokens only, packed by length (see
+                :mod:`qkv.models.packing`): no linear layer, norm or attention works on padding.
+                The real tokens' states are those of the padded path (to float roundoff);
+                padding positions come back as zeros. Plans on the host (one sync). Tracing,
+                compiling and recording attention weights take the padded path.
 
         Returns:
             ``[B, T, D]`` last hidden states.
@@ -277,4 +290,133 @@ class BertEncoder(nn.Module):
                 )
             mask = from_hf(attention_mask, validate=validate)  # [B, 1, 1, T], True = padding
         x = self.embeddings(input_ids, token_type_ids)  # [B, T, D]
-        return self.encoder(x, mask)  # [B, T, D]
+        if not self._lean():
+            return self.encoder(x, mask)  # [B, T, D]
+        if mask is not None and checks_values(validate) and not bool(mask.any()):
+            mask = None  # no padding at all: SDPA runs without a mask
+        if unpad and mask is not None:
+            plan = plan_packing(mask[:, 0, 0])
+            packed = plan.pack(x)  # [N, D]
+            for i, layer in enumerate(self._layers()):
+                packed = self._layer(
+                    i, layer, packed, lambda qkv, a: _attend_packed(qkv, a, plan.groups)
+                )
+            return plan.unpack(packed)  # [B, T, D], zeros at padding
+        for i, layer in enumerate(self._layers()):
+            x = self._layer(i, layer, x, lambda qkv, a: _attend_padded(qkv, a, mask))  # [B, T, D]
+        return x
+
+    def _layers(self) -> list[EncoderLayer]:
+        return cast(list[EncoderLayer], list(self.encoder.layers))
+
+    def _lean(self) -> bool:
+        """Whether :meth:`forward` may run its own layer loop (fused input projection, no
+        per-layer mask handling) instead of the :class:`Encoder`'s: eagerly only, and only
+        where nothing observes the layers (recorded weights, forward hooks)."""
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return False
+        if self.encoder._forward_hooks or self.encoder._forward_pre_hooks:
+            return False
+        for layer in self._layers():
+            attn = layer.self_attn
+            if attn.record_weights or layer.norm_first or not attn.batch_first:
+                return False
+            if attn.num_kv_heads != attn.num_heads:
+                return False
+            for m in (layer, attn):
+                if m._forward_hooks or m._forward_pre_hooks:
+                    return False
+        return True
+
+    def _fused_in_proj(self, i: int, attn: MultiHeadAttention) -> tuple[Tensor, Tensor | None]:
+        """Layer ``i``'s Q, K, V projections as one ``[3D, D]`` weight and ``[3D]`` bias.
+
+        Built once and kept (not in the state dict) while no gradient is wanted; rebuilt when a
+        weight changes (another tensor, device, dtype or an in-place update such as
+        ``load_state_dict``). With gradients it is concatenated per call, so they flow.
+        """
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        weights: list[Tensor] = [p.weight for p in projs]
+        biases = [p.bias for p in projs]
+        tensors = [t for t in (*weights, *biases) if t is not None]
+
+        def build() -> tuple[Tensor, Tensor | None]:
+            w = torch.cat(weights)  # [3D, D]
+            if all(b is None for b in biases):
+                return w, None
+            parts: list[Tensor] = [
+                attn.q_proj.weight.new_zeros(p.out_features) if p.bias is None else p.bias
+                for p in projs
+            ]
+            return w, torch.cat(parts)  # [3D]
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return build()
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        cached = self._in_proj.get(i)
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # a tensor usable in any mode
+                cached = (key, *build())
+            self._in_proj[i] = cached
+        return cached[1], cached[2]
+
+    def _layer(
+        self,
+        i: int,
+        layer: EncoderLayer,
+        x: Tensor,
+        attend: Callable[[Tensor, MultiHeadAttention], Tensor],
+    ) -> Tensor:
+        """One post-norm layer, as :meth:`EncoderLayer.forward`, on ``[..., D]`` rows.
+
+        ``attend`` maps the fused projections ``[..., 3D]`` to the heads' merged outputs
+        ``[..., D]``; everything else works row by row, so the rows may be padded ``[B, T]``
+        or packed ``[N]``.
+        """
+        attn = layer.self_attn
+        w, b = self._fused_in_proj(i, attn)
+        qkv = F.linear(x, w, b)  # [..., 3D]
+        h = attn.out_proj(attend(qkv, attn))  # [..., D]
+        x = layer.norm1(x + layer.dropout1(h))  # [..., D]
+        return layer.norm2(x + layer.dropout2(layer.ffn(x)))  # [..., D]
+
+
+def _heads(attn: MultiHeadAttention, part: Tensor, B: int, T: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``[B * T, 3D]`` or ``[B, T, 3D]`` fused projections -> ``q, k, v`` ``[B, H, T, Dh]``."""
+    H, Dh = attn.num_heads, attn.head_dim
+    q, k, v = part.view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, H, T, Dh]
+    return q, k, v
+
+
+def _sdpa(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """qkv attention with the module's backend and dropout; ``[B, H, T, Dh]`` -> ``[B, T, D]``."""
+    B, H, T, Dh = q.shape
+    out, _ = attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        dropout_p=attn.dropout,
+        training=attn.training,
+        backend=attn.backend,
+    )  # [B, H, T, Dh]
+    return out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, D]
+
+
+def _attend_padded(qkv: Tensor, attn: MultiHeadAttention, mask: Tensor | None) -> Tensor:
+    """Self-attention of a padded batch ``[B, T, 3D]`` -> ``[B, T, D]`` (mask ``[B, 1, 1, T]``)."""
+    B, T, _ = qkv.shape
+    return _sdpa(attn, *_heads(attn, qkv, B, T), mask)  # [B, T, D]
+
+
+def _attend_packed(
+    qkv: Tensor, attn: MultiHeadAttention, groups: tuple[tuple[int, int, int], ...]
+) -> Tensor:
+    """Self-attention of packed rows ``[N, 3D]`` -> ``[N, D]``: one maskless call per length,
+    each on its samples' contiguous rows (see :attr:`qkv.models.packing.Packing.groups`)."""
+    outs = []
+    for start, count, length in groups:
+        part = qkv[start : start + count * length]  # [count * length, 3D]
+        out = _sdpa(attn, *_heads(attn, part, count, length), None)  # [count, length, D]
+        outs.append(out.reshape(count * length, -1))  # [count * length, D]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, D]
