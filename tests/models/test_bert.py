@@ -244,6 +244,7 @@ def test_unpad_matches_padded_path_and_bert_model(
         [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]],  # no padding at all
         [[0, 0, 1, 1, 1], [1, 1, 0, 1, 1], [1, 1, 1, 1, 0]],  # left padding, a hole
         [[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]],  # a row without any token
+        [[0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],  # no token at all
     ],
 )
 def test_unpad_matches_padded_path_on_any_padding(attention_mask: list) -> None:
@@ -262,6 +263,17 @@ def test_unpad_matches_padded_path_on_any_padding(attention_mask: list) -> None:
         torch.testing.assert_close(packed, padded)
     else:
         assert not bool(packed[~real].any())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unpad_runs_every_backend(backend: str) -> None:
+    model = BertEncoder(BertConfig(50, 16, 2, 4, 32), backend=backend).eval()
+    ids = torch.randint(1, 50, (3, 7))
+    mask = torch.tensor([[1] * 7, [1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0]])
+    real = mask.bool()
+    expected = BertEncoder(BertConfig(50, 16, 2, 4, 32), backend="reference").eval()
+    expected.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(ids, mask, unpad=True)[real], expected(ids, mask)[real])
 
 
 def test_unpad_gives_the_padded_paths_gradients() -> None:

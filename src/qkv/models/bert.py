@@ -33,6 +33,9 @@ from qkv.nn.stacks import Encoder
 
 __all__ = ["BERT_ACTIVATIONS", "BertActivation", "BertConfig", "BertEmbeddings", "BertEncoder"]
 
+_BIAS_BACKENDS = ("auto", "fused")
+"""Backends the unpadded path gives its padding as a float bias (see ``BertEncoder.forward``)."""
+
 BertActivation = Literal["gelu", "relu"]
 BERT_ACTIVATIONS: tuple[BertActivation, ...] = ("gelu", "relu")
 """``hidden_act`` values qkv reproduces exactly: ``"gelu"`` is the erf form in both libraries."""
@@ -296,14 +299,30 @@ class BertEncoder(nn.Module):
             mask = None  # no padding at all: SDPA runs without a mask
         if unpad and mask is not None:
             plan = plan_packing(mask[:, 0, 0])
+            if plan.rows == 0:
+                return x.new_zeros(x.shape)  # [B, T, D]: no token at all
+            # SDPA backends get the grid's padding keys as a float bias: one batched call,
+            # which they do not split into per-length calls as they would a bool mask (the
+            # calls cost more than the padding they skip); the others take the bool mask.
+            blocked = plan.grid_padding  # [B', 1, 1, T'] or None
+            bias = None
+            if blocked is not None:
+                bias = x.new_zeros(blocked.shape).masked_fill(blocked, float("-inf"))
+
+            def attend(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
+                grid = plan.to_grid(qkv)  # [B', T', 3D]
+                if attn.backend in _BIAS_BACKENDS:
+                    return plan.from_grid(_attend_padded(grid, attn, None, bias))  # [N, D]
+                return plan.from_grid(_attend_padded(grid, attn, blocked, None))  # [N, D]
+
             packed = plan.pack(x)  # [N, D]
             for i, layer in enumerate(self._layers()):
-                packed = self._layer(
-                    i, layer, packed, lambda qkv, a: _attend_packed(qkv, a, plan.groups)
-                )
+                packed = self._layer(i, layer, packed, attend)  # [N, D]
             return plan.unpack(packed)  # [B, T, D], zeros at padding
         for i, layer in enumerate(self._layers()):
-            x = self._layer(i, layer, x, lambda qkv, a: _attend_padded(qkv, a, mask))  # [B, T, D]
+            x = self._layer(
+                i, layer, x, lambda qkv, a: _attend_padded(qkv, a, mask, None)
+            )  # [B, T, D]
         return x
 
     def _layers(self) -> list[EncoderLayer]:
@@ -388,7 +407,14 @@ def _heads(attn: MultiHeadAttention, part: Tensor, B: int, T: int) -> tuple[Tens
     return q, k, v
 
 
-def _sdpa(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def _sdpa(
+    attn: MultiHeadAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    attn_bias: Tensor | None,
+) -> Tensor:
     """qkv attention with the module's backend and dropout; ``[B, H, T, Dh]`` -> ``[B, T, D]``."""
     B, H, T, Dh = q.shape
     out, _ = attention(
@@ -396,6 +422,7 @@ def _sdpa(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
         k,
         v,
         mask=mask,
+        attn_bias=attn_bias,
         dropout_p=attn.dropout,
         training=attn.training,
         backend=attn.backend,
@@ -403,20 +430,10 @@ def _sdpa(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, mask: Tenso
     return out.transpose(1, 2).reshape(B, T, H * Dh)  # [B, T, D]
 
 
-def _attend_padded(qkv: Tensor, attn: MultiHeadAttention, mask: Tensor | None) -> Tensor:
-    """Self-attention of a padded batch ``[B, T, 3D]`` -> ``[B, T, D]`` (mask ``[B, 1, 1, T]``)."""
-    B, T, _ = qkv.shape
-    return _sdpa(attn, *_heads(attn, qkv, B, T), mask)  # [B, T, D]
-
-
-def _attend_packed(
-    qkv: Tensor, attn: MultiHeadAttention, groups: tuple[tuple[int, int, int], ...]
+def _attend_padded(
+    qkv: Tensor, attn: MultiHeadAttention, mask: Tensor | None, attn_bias: Tensor | None
 ) -> Tensor:
-    """Self-attention of packed rows ``[N, 3D]`` -> ``[N, D]``: one maskless call per length,
-    each on its samples' contiguous rows (see :attr:`qkv.models.packing.Packing.groups`)."""
-    outs = []
-    for start, count, length in groups:
-        part = qkv[start : start + count * length]  # [count * length, 3D]
-        out = _sdpa(attn, *_heads(attn, part, count, length), None)  # [count, length, D]
-        outs.append(out.reshape(count * length, -1))  # [count * length, D]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, D]
+    """Self-attention of a padded batch ``[B, T, 3D]`` -> ``[B, T, D]``; the padding as a bool
+    ``mask`` or a float ``attn_bias`` ``[B, 1, 1, T]``, or neither."""
+    B, T, _ = qkv.shape
+    return _sdpa(attn, *_heads(attn, qkv, B, T), mask, attn_bias)  # [B, T, D]

@@ -1,17 +1,18 @@
-"""Unpadding: the real tokens of a padded batch packed into one sequence, grouped by length.
+"""Unpadding: the real tokens of a padded batch packed into one sequence of rows.
 
 A padded ``[B, T]`` batch of sentences of mixed lengths spends much of every linear layer,
 feed-forward block and norm on padding. :func:`plan_packing` lists where the real tokens are,
-once per forward: :meth:`Packing.pack` gathers them into ``[N, D]`` rows and
-:meth:`Packing.unpack` scatters rows back to ``[B, T, D]``. Samples are ordered by their number
-of real tokens, so the samples of one length occupy one contiguous run of rows
-(:attr:`Packing.groups`): attention runs one maskless call per length on a plain view
-``[count, length, ...]``, with no gather per layer and no mask.
+once per forward: :meth:`Packing.pack` gathers them into ``[N, D]`` rows, :meth:`Packing.unpack`
+scatters rows back to ``[B, T, D]``. Attention, the one step that mixes rows, runs on a compact
+grid (:meth:`Packing.to_grid`): the samples that have tokens, each cut to the longest one's
+length, so one batched call with a key-padding mask (:attr:`Packing.grid_padding`) serves the
+whole batch; its padding slots hold zeros.
 
 The plan reads the padding on the host (one sync per forward): it is eager planning, not for
 tracing or compiling, which keep the padded path.
 
-Shapes: B batch, T padded length, N real tokens, D width.
+Shapes: B batch, T padded length, N real tokens, B' samples with a token, T' longest length,
+C channels.
 """
 
 from __future__ import annotations
@@ -26,21 +27,25 @@ __all__ = ["Packing", "plan_packing"]
 
 @dataclass(frozen=True)
 class Packing:
-    """Where the real tokens of a padded batch sit in the packed rows.
+    """Where the real tokens of a padded batch sit in the packed rows and in the compact grid.
 
     Attributes:
-        index: int64 ``[N]``, the flat position ``b * T + t`` of each packed row; samples by
-            ascending length (ties in batch order), each sample's tokens in their order.
-        groups: ``(start, count, length)`` per distinct length: ``count`` samples of
-            ``length`` real tokens each fill rows ``[start, start + count * length)``.
+        index: int64 ``[N]``, the flat position ``b * T + t`` of each packed row (batch order,
+            each sample's tokens in order).
+        grid_index: int64 ``[N]``, the flat position of each packed row in the ``[B', T']`` grid.
+        grid_padding: bool ``[B', 1, 1, T']``, True at the grid's padding keys (qkv's mask
+            convention), or None when the grid has none.
         batch: B.
         tokens: T.
+        grid: ``(B', T')``.
     """
 
     index: Tensor
-    groups: tuple[tuple[int, int, int], ...]
+    grid_index: Tensor
+    grid_padding: Tensor | None
     batch: int
     tokens: int
+    grid: tuple[int, int]
 
     @property
     def rows(self) -> int:
@@ -49,21 +54,35 @@ class Packing:
 
     @property
     def is_identity(self) -> bool:
-        """No padding at all: packing is a plain reshape."""
+        """No padding at all: packing and the grid are plain reshapes."""
         return self.rows == self.batch * self.tokens
 
     def pack(self, x: Tensor) -> Tensor:
-        """``[B, T, D]`` -> ``[N, D]``, the real tokens' rows."""
-        flat = x.reshape(self.batch * self.tokens, x.shape[-1])  # [B * T, D]
-        return flat if self.is_identity else flat.index_select(0, self.index)  # [N, D]
+        """``[B, T, C]`` -> ``[N, C]``, the real tokens' rows."""
+        flat = x.reshape(self.batch * self.tokens, x.shape[-1])  # [B * T, C]
+        return flat if self.is_identity else flat.index_select(0, self.index)  # [N, C]
 
-    def unpack(self, packed: Tensor) -> Tensor:
-        """``[N, D]`` -> ``[B, T, D]``, zeros at the padding positions."""
-        B, T, D = self.batch, self.tokens, packed.shape[-1]
-        if self.is_identity:
-            return packed.view(B, T, D)  # [B, T, D]
-        out = packed.new_zeros(B * T, D)  # [B * T, D]
-        return out.index_copy_(0, self.index, packed).view(B, T, D)  # [B, T, D]
+    def unpack(self, rows: Tensor) -> Tensor:
+        """``[N, C]`` -> ``[B, T, C]``, zeros at the padding positions."""
+        return _scatter(rows, self.index, self.batch, self.tokens, self.is_identity)
+
+    def to_grid(self, rows: Tensor) -> Tensor:
+        """``[N, C]`` -> ``[B', T', C]``, zeros at the grid's padding slots."""
+        return _scatter(rows, self.grid_index, *self.grid, self.grid_padding is None)
+
+    def from_grid(self, grid: Tensor) -> Tensor:
+        """``[B', T', C]`` -> ``[N, C]``, the real tokens' rows."""
+        flat = grid.reshape(self.grid[0] * self.grid[1], grid.shape[-1])  # [B' * T', C]
+        return flat if self.grid_padding is None else flat.index_select(0, self.grid_index)
+
+
+def _scatter(rows: Tensor, index: Tensor, B: int, T: int, identity: bool) -> Tensor:
+    """``[N, C]`` rows to the flat positions ``index`` of a zero ``[B, T, C]``."""
+    C = rows.shape[-1]
+    if identity:
+        return rows.view(B, T, C)  # [B, T, C]
+    out = rows.new_zeros(B * T, C)  # [B * T, C]
+    return out.index_copy(0, index, rows).view(B, T, C)  # [B, T, C]
 
 
 def plan_packing(is_pad: Tensor) -> Packing:
@@ -73,8 +92,8 @@ def plan_packing(is_pad: Tensor) -> Packing:
         is_pad: bool ``[B, T]``, True = padding.
 
     Returns:
-        The :class:`Packing`; a sample without any real token gets no row (it unpacks to
-        zeros).
+        The :class:`Packing`. A sample without any real token gets no row and no grid slot
+        (it unpacks to zeros).
 
     Raises:
         ValueError: ``is_pad`` is not a bool ``[B, T]`` tensor.
@@ -84,24 +103,21 @@ def plan_packing(is_pad: Tensor) -> Packing:
         raise ValueError(f"is_pad must be a bool [B, T] tensor, got {got!r}")
     B, T = is_pad.shape
     live = ~is_pad  # [B, T]
-    lengths = live.sum(dim=1).tolist()  # [B], one read from the device
-    order = sorted(range(B), key=lambda b: lengths[b])  # stable: ties keep batch order
-    groups: list[tuple[int, int, int]] = []
-    start = 0
-    for b in order:
-        n = int(lengths[b])
-        if n == 0:
-            continue
-        if groups and groups[-1][2] == n:
-            s, count, _ = groups[-1]
-            groups[-1] = (s, count + 1, n)
-        else:
-            groups.append((start, 1, n))
-        start += n
-    if start == B * T:
+    lengths = live.sum(dim=1)  # [B]
+    counts = [int(n) for n in lengths.tolist()]  # one read from the device
+    longest, samples = max(counts), sum(n > 0 for n in counts)
+    if longest == 0:
+        none = torch.zeros(0, dtype=torch.long, device=is_pad.device)  # [N = 0]
+        return Packing(none, none, None, B, T, (0, 0))
+    if sum(counts) == B * T:
         index = torch.arange(B * T, device=is_pad.device)  # [N = B * T]
-        return Packing(index, ((0, B, T),), B, T)
-    perm = torch.tensor(order, device=is_pad.device)  # [B]
-    rows, cols = live.index_select(0, perm).nonzero(as_tuple=True)  # [N] each, row-major
-    index = perm[rows] * T + cols  # [N]
-    return Packing(index, tuple(groups), B, T)
+        return Packing(index, index, None, B, T, (B, T))
+    rows, cols = live.nonzero(as_tuple=True)  # [N] each, row-major
+    slot = (lengths > 0).cumsum(0) - 1  # [B]: each sample's row of the grid
+    rank = live.cumsum(dim=1) - 1  # [B, T]: each token's place among its sample's tokens
+    grid_index = slot[rows] * longest + rank[rows, cols]  # [N]
+    grid_lengths = lengths[lengths > 0]  # [B']
+    keys = torch.arange(longest, device=is_pad.device)  # [T']
+    padding = keys[None, :] >= grid_lengths[:, None]  # [B', T']
+    grid_padding = padding[:, None, None, :] if min(n for n in counts if n) < longest else None
+    return Packing(rows * T + cols, grid_index, grid_padding, B, T, (samples, longest))
