@@ -203,8 +203,8 @@ class BertEncoder(nn.Module):
             layers.append(layer)
         self.encoder = Encoder(layers, norm=None)  # post-norm: each layer already ends in one
         self.backend = backend
-        # layer index -> (the weights it was built from, fused [3D, D] weight, [3D] bias)
-        self._in_proj: dict[int, tuple[tuple[object, ...], Tensor, Tensor | None]] = {}
+        # layer index -> (what its weights were built from, the weights), see _weights
+        self._transposed: dict[int, tuple[tuple[object, ...], _LayerWeights]] = {}
 
     @property
     def backend(self) -> str:
@@ -319,19 +319,25 @@ class BertEncoder(nn.Module):
             for i, layer in enumerate(self._layers()):
                 packed = self._layer(i, layer, packed, attend)  # [N, D]
             return plan.unpack(packed)  # [B, T, D], zeros at padding
+        D = x.shape[-1]
+
+        def attend_padded(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
+            out = _attend_padded(qkv.view(B, T, 3 * D), attn, mask, None)  # [B, T, D]
+            return out.view(B * T, D)  # [B * T, D]
+
+        rows = x.reshape(B * T, D)  # [B * T, D]
         for i, layer in enumerate(self._layers()):
-            x = self._layer(
-                i, layer, x, lambda qkv, a: _attend_padded(qkv, a, mask, None)
-            )  # [B, T, D]
-        return x
+            rows = self._layer(i, layer, rows, attend_padded)  # [B * T, D]
+        return rows.view(B, T, D)  # [B, T, D]
 
     def _layers(self) -> list[EncoderLayer]:
         return cast(list[EncoderLayer], list(self.encoder.layers))
 
     def _lean(self) -> bool:
-        """Whether :meth:`forward` may run its own layer loop (fused input projection, no
-        per-layer mask handling) instead of the :class:`Encoder`'s: eagerly only, and only
-        where nothing observes the layers (recorded weights, forward hooks)."""
+        """Whether :meth:`forward` may run its own layer loop (transposed weights, a fused
+        input projection, no per-layer mask handling) instead of the :class:`Encoder`'s:
+        eagerly only, for BERT's layers (post-norm, biases, GELU or ReLU), and only where
+        nothing observes the layers (recorded weights, forward hooks)."""
         if torch.jit.is_tracing() or torch.compiler.is_compiling():
             return False
         if self.encoder._forward_hooks or self.encoder._forward_pre_hooks:
@@ -340,44 +346,49 @@ class BertEncoder(nn.Module):
             attn = layer.self_attn
             if attn.record_weights or layer.norm_first or not attn.batch_first:
                 return False
-            if attn.num_kv_heads != attn.num_heads:
+            if attn.num_kv_heads != attn.num_heads or attn.kdim != attn.embed_dim:
+                return False
+            if layer.ffn.gate is not None or layer.ffn.activation not in ("gelu", "relu"):
+                return False
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
+            if any(m.bias is None for m in (*linears, layer.ffn.fc1, layer.ffn.fc2)):
                 return False
             for m in (layer, attn):
                 if m._forward_hooks or m._forward_pre_hooks:
                     return False
         return True
 
-    def _fused_in_proj(self, i: int, attn: MultiHeadAttention) -> tuple[Tensor, Tensor | None]:
-        """Layer ``i``'s Q, K, V projections as one ``[3D, D]`` weight and ``[3D]`` bias.
+    def _weights(self, i: int, layer: EncoderLayer) -> _LayerWeights:
+        """Layer ``i``'s linear weights, transposed to ``[in, out]``, Q, K, V fused into one.
 
-        Built once and kept (not in the state dict) while no gradient is wanted; rebuilt when a
-        weight changes (another tensor, device, dtype or an in-place update such as
-        ``load_state_dict``). With gradients it is concatenated per call, so they flow.
+        Without gradients they are contiguous copies (an ``[in, out]`` GEMM is the faster
+        one for the few rows of a small batch), built once and kept outside the state dict;
+        they are rebuilt when a weight changes (another tensor, device or dtype, or an in-place
+        update such as ``load_state_dict``). With gradients they are views and one ``cat``
+        per call, so gradients flow to the parameters.
         """
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        weights: list[Tensor] = [p.weight for p in projs]
-        biases = [p.bias for p in projs]
-        tensors = [t for t in (*weights, *biases) if t is not None]
+        attn, ffn = layer.self_attn, layer.ffn
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, ffn.fc1, ffn.fc2)
+        tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]
 
-        def build() -> tuple[Tensor, Tensor | None]:
-            w = torch.cat(weights)  # [3D, D]
-            if all(b is None for b in biases):
-                return w, None
-            parts: list[Tensor] = [
-                attn.q_proj.weight.new_zeros(p.out_features) if p.bias is None else p.bias
-                for p in projs
-            ]
-            return w, torch.cat(parts)  # [3D]
+        def build(copy: bool) -> _LayerWeights:
+            q, k, v, o, fc1, fc2 = linears
+            ts = [torch.cat([q.weight, k.weight, v.weight]).t(), o.weight.t()]  # [D, 3D], [D, D]
+            ts += [fc1.weight.t(), fc2.weight.t()]  # [D, F], [F, D]
+            if copy:
+                ts = [t.contiguous() for t in ts]
+            bias = torch.cat([q.bias, k.bias, v.bias])  # [3D]
+            return _LayerWeights(ts[0], bias, ts[1], o.bias, ts[2], fc1.bias, ts[3], fc2.bias)
 
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return build()
+            return build(copy=False)
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
-        cached = self._in_proj.get(i)
+        cached = self._transposed.get(i)
         if cached is None or cached[0] != key:
-            with torch.inference_mode(False), torch.no_grad():  # a tensor usable in any mode
-                cached = (key, *build())
-            self._in_proj[i] = cached
-        return cached[1], cached[2]
+            with torch.inference_mode(False), torch.no_grad():  # tensors usable in any mode
+                cached = (key, build(copy=True))
+            self._transposed[i] = cached
+        return cached[1]
 
     def _layer(
         self,
@@ -386,18 +397,34 @@ class BertEncoder(nn.Module):
         x: Tensor,
         attend: Callable[[Tensor, MultiHeadAttention], Tensor],
     ) -> Tensor:
-        """One post-norm layer, as :meth:`EncoderLayer.forward`, on ``[..., D]`` rows.
+        """One post-norm layer, as :meth:`EncoderLayer.forward`, on ``[M, D]`` rows.
 
-        ``attend`` maps the fused projections ``[..., 3D]`` to the heads' merged outputs
-        ``[..., D]``; everything else works row by row, so the rows may be padded ``[B, T]``
-        or packed ``[N]``.
+        ``attend`` maps the fused projections ``[M, 3D]`` to the heads' merged outputs
+        ``[M, D]``; everything else works row by row, so the rows may be a padded batch
+        ``[B * T]`` or packed tokens ``[N]``.
         """
-        attn = layer.self_attn
-        w, b = self._fused_in_proj(i, attn)
-        qkv = F.linear(x, w, b)  # [..., 3D]
-        h = attn.out_proj(attend(qkv, attn))  # [..., D]
-        x = layer.norm1(x + layer.dropout1(h))  # [..., D]
-        return layer.norm2(x + layer.dropout2(layer.ffn(x)))  # [..., D]
+        w = self._weights(i, layer)
+        act = F.gelu if layer.ffn.activation == "gelu" else F.relu
+        qkv = torch.addmm(w.qkv_b, x, w.qkv_t)  # [M, 3D]
+        h = torch.addmm(w.out_b, attend(qkv, layer.self_attn), w.out_t)  # [M, D]
+        x = layer.norm1(x + layer.dropout1(h))  # [M, D]
+        h = layer.ffn.dropout(act(torch.addmm(w.fc1_b, x, w.fc1_t)))  # [M, F]
+        h = torch.addmm(w.fc2_b, h, w.fc2_t)  # [M, D]
+        return layer.norm2(x + layer.dropout2(h))  # [M, D]
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One layer's linear weights for the lean loop: ``[in, out]`` and bias per projection."""
+
+    qkv_t: Tensor
+    qkv_b: Tensor
+    out_t: Tensor
+    out_b: Tensor
+    fc1_t: Tensor
+    fc1_b: Tensor
+    fc2_t: Tensor
+    fc2_b: Tensor
 
 
 def _heads(attn: MultiHeadAttention, part: Tensor, B: int, T: int) -> tuple[Tensor, Tensor, Tensor]:
