@@ -326,3 +326,24 @@ def test_recorded_weights_and_tracing_take_the_padded_path() -> None:
     torch.testing.assert_close(model(ids, mask, unpad=True), padded)
     weights = model.encoder.layers[0].self_attn.last_weights
     assert weights is not None and tuple(weights.shape) == (2, 4, 6, 6)
+
+
+def test_weights_made_in_inference_mode_are_read_fresh() -> None:
+    with torch.inference_mode():
+        model = BertEncoder(BertConfig(50, 16, 2, 4, 32)).eval()
+        other = BertEncoder(BertConfig(50, 16, 2, 4, 32)).eval()
+        ids = torch.randint(1, 50, (2, 6))
+        model(ids)
+        model.load_state_dict(other.state_dict())
+        torch.testing.assert_close(model(ids), other(ids))
+
+
+def test_forward_hooks_see_every_layer_call() -> None:
+    model = BertEncoder(BertConfig(50, 16, 2, 4, 32)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    expected = model(ids, mask)
+    calls: list[tuple[int, ...]] = []
+    model.encoder.layers[1].register_forward_hook(lambda m, i, o: calls.append(tuple(o.shape)))
+    torch.testing.assert_close(model(ids, mask, unpad=True), expected)  # the padded path
+    assert calls == [(2, 6, 16)]

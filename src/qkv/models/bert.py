@@ -365,7 +365,8 @@ class BertEncoder(nn.Module):
         one for the few rows of a small batch), built once and kept outside the state dict;
         they are rebuilt when a weight changes (another tensor, device or dtype, or an in-place
         update such as ``load_state_dict``). With gradients they are views and one ``cat``
-        per call, so gradients flow to the parameters.
+        per call, so gradients flow to the parameters; so they are for weights made under
+        ``torch.inference_mode``, which keep no version counter to tell a change by.
         """
         attn, ffn = layer.self_attn, layer.ffn
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, ffn.fc1, ffn.fc2)
@@ -382,6 +383,8 @@ class BertEncoder(nn.Module):
 
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return build(copy=False)
+        if any(t.is_inference() for t in tensors):
+            return build(copy=False)  # no version counter tells when such weights change
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
         cached = self._transposed.get(i)
         if cached is None or cached[0] != key:
