@@ -295,15 +295,20 @@ class BertEncoder(nn.Module):
         x = self.embeddings(input_ids, token_type_ids)  # [B, T, D]
         if not self._lean():
             return self.encoder(x, mask)  # [B, T, D]
-        if mask is not None and checks_values(validate) and not bool(mask.any()):
-            mask = None  # no padding at all: SDPA runs without a mask
+        # A checked mask: without padding it is dropped (SDPA runs maskless); when every
+        # sample has a token, no row is fully blocked and SDPA backends may take it as a bias.
+        as_bias = False
+        if mask is not None and checks_values(validate):
+            padded, empty = torch.stack([mask.any(), mask.all(dim=-1).any()]).tolist()
+            mask, as_bias = (mask if padded else None), padded and not empty
         if unpad and mask is not None:
             plan = plan_packing(mask[:, 0, 0])
             if plan.rows == 0:
                 return x.new_zeros(x.shape)  # [B, T, D]: no token at all
             # SDPA backends get the grid's padding keys as a float bias: one batched call,
             # which they do not split into per-length calls as they would a bool mask (the
-            # calls cost more than the padding they skip); the others take the bool mask.
+            # calls cost more than the padding they skip); the others take the bool mask. No
+            # row is fully blocked: samples without a token have no row.
             blocked = plan.grid_padding  # [B', 1, 1, T'] or None
             bias = None
             if blocked is not None:
@@ -321,8 +326,16 @@ class BertEncoder(nn.Module):
             return plan.unpack(packed)  # [B, T, D], zeros at padding
         D = x.shape[-1]
 
+        bias = None  # [B, 1, 1, T]
+        if as_bias and mask is not None:
+            bias = x.new_zeros(mask.shape).masked_fill(mask, float("-inf"))
+
         def attend_padded(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
-            out = _attend_padded(qkv.view(B, T, 3 * D), attn, mask, None)  # [B, T, D]
+            grid = qkv.view(B, T, 3 * D)  # [B, T, 3D]
+            if bias is not None and attn.backend in _BIAS_BACKENDS:
+                out = _attend_padded(grid, attn, None, bias)  # [B, T, D]
+            else:
+                out = _attend_padded(grid, attn, mask, None)  # [B, T, D]
             return out.view(B * T, D)  # [B * T, D]
 
         rows = x.reshape(B * T, D)  # [B * T, D]
