@@ -302,35 +302,19 @@ class BertEncoder(nn.Module):
             padded, empty = torch.stack([mask.any(), mask.all(dim=-1).any()]).tolist()
             mask, as_bias = (mask if padded else None), padded and not empty
         if unpad and mask is not None:
-            plan = plan_packing(mask[:, 0, 0])
-            if plan.rows == 0:
-                return x.new_zeros(x.shape)  # [B, T, D]: no token at all
-            # SDPA backends get the grid's padding keys as a float bias: one batched call,
-            # which they do not split into per-length calls as they would a bool mask (the
-            # calls cost more than the padding they skip); the others take the bool mask. No
-            # row is fully blocked: samples without a token have no row.
-            blocked = plan.grid_padding  # [B', 1, 1, T'] or None
-            bias = None
-            if blocked is not None:
-                bias = x.new_zeros(blocked.shape).masked_fill(blocked, float("-inf"))
+            return self._encode_unpadded(x, mask)  # [B, T, D]
+        return self._encode_padded(x, mask, as_bias)  # [B, T, D]
 
-            def attend(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
-                grid = plan.to_grid(qkv)  # [B', T', 3D]
-                if attn.backend in _BIAS_BACKENDS:
-                    return plan.from_grid(_attend_padded(grid, attn, None, bias))  # [N, D]
-                return plan.from_grid(_attend_padded(grid, attn, blocked, None))  # [N, D]
-
-            packed = plan.pack(x)  # [N, D]
-            for i, layer in enumerate(self._layers()):
-                packed = self._layer(i, layer, packed, attend)  # [N, D]
-            return plan.unpack(packed)  # [B, T, D], zeros at padding
-        D = x.shape[-1]
-
+    def _encode_padded(self, x: Tensor, mask: Tensor | None, as_bias: bool) -> Tensor:
+        """The lean layer loop on the padded batch ``x`` ``[B, T, D]``; ``mask``
+        ``[B, 1, 1, T]`` True = padding, given to SDPA backends as a float bias when
+        ``as_bias`` (no row fully blocked)."""
+        B, T, D = x.shape
         bias = None  # [B, 1, 1, T]
         if as_bias and mask is not None:
             bias = x.new_zeros(mask.shape).masked_fill(mask, float("-inf"))
 
-        def attend_padded(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
+        def attend(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
             grid = qkv.view(B, T, 3 * D)  # [B, T, 3D]
             if bias is not None and attn.backend in _BIAS_BACKENDS:
                 out = _attend_padded(grid, attn, None, bias)  # [B, T, D]
@@ -340,8 +324,34 @@ class BertEncoder(nn.Module):
 
         rows = x.reshape(B * T, D)  # [B * T, D]
         for i, layer in enumerate(self._layers()):
-            rows = self._layer(i, layer, rows, attend_padded)  # [B * T, D]
+            rows = self._layer(i, layer, rows, attend)  # [B * T, D]
         return rows.view(B, T, D)  # [B, T, D]
+
+    def _encode_unpadded(self, x: Tensor, mask: Tensor) -> Tensor:
+        """The lean layer loop on the real tokens of ``x`` ``[B, T, D]`` only (``mask``
+        ``[B, 1, 1, T]``, True = padding); padding positions come back as zeros."""
+        plan = plan_packing(mask[:, 0, 0])
+        if plan.rows == 0:
+            return x.new_zeros(x.shape)  # [B, T, D]: no token at all
+        # SDPA backends get the grid's padding keys as a float bias: one batched call, which
+        # they do not split into per-length calls as they would a bool mask (the calls cost
+        # more than the padding they skip); the others take the bool mask. No row is fully
+        # blocked: samples without a token have no row.
+        blocked = plan.grid_padding  # [B', 1, 1, T'] or None
+        bias = None
+        if blocked is not None:
+            bias = x.new_zeros(blocked.shape).masked_fill(blocked, float("-inf"))
+
+        def attend(qkv: Tensor, attn: MultiHeadAttention) -> Tensor:
+            grid = plan.to_grid(qkv)  # [B', T', 3D]
+            if attn.backend in _BIAS_BACKENDS:
+                return plan.from_grid(_attend_padded(grid, attn, None, bias))  # [N, D]
+            return plan.from_grid(_attend_padded(grid, attn, blocked, None))  # [N, D]
+
+        packed = plan.pack(x)  # [N, D]
+        for i, layer in enumerate(self._layers()):
+            packed = self._layer(i, layer, packed, attend)  # [N, D]
+        return plan.unpack(packed)  # [B, T, D], zeros at padding
 
     def _layers(self) -> list[EncoderLayer]:
         return cast(list[EncoderLayer], list(self.encoder.layers))
