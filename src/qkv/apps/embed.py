@@ -194,7 +194,8 @@ class SentenceEmbedder:
         for start in range(0, len(items), self.batch_size):
             ids, attention_mask, type_ids = self.tokenize(items[start : start + self.batch_size])
             ids, attention_mask, type_ids = (t.to(device) for t in (ids, attention_mask, type_ids))
-            hidden = self.model(ids, attention_mask, type_ids)  # [B, T, D]
+            # unpad: the layers skip the padding; mean pooling reads only real tokens anyway
+            hidden = self.model(ids, attention_mask, type_ids, unpad=True)  # [B, T, D]
             chunks.append(l2_normalize(mean_pool(hidden, attention_mask)))  # [B, D]
         return torch.cat(chunks).float().cpu()  # [N, D]
 
