@@ -38,7 +38,12 @@ from torch import Tensor
 from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
 from qkv.masks import causal_mask
 
-__all__ = ["fused_attention", "uses_sdpa_is_causal"]
+__all__ = [
+    "exact_backward_possible",
+    "exact_backward_size_ok",
+    "fused_attention",
+    "uses_sdpa_is_causal",
+]
 
 
 def _python_bool(x: object) -> bool:
@@ -60,6 +65,21 @@ def uses_sdpa_is_causal(T: int, S: int, mask: object, attn_bias: object, is_caus
 EXACT_BACKWARD_MAX_BYTES = 256 * 2**20
 """Above this, the exact backward's ~4 ``[B, H, T, S]`` tensors (scores, probabilities, their
 gradients) cost more memory than its precision is worth, and SDPA's backward runs instead."""
+
+
+def exact_backward_size_ok(B: int, H: int, T: int, S: int, element_size: int) -> bool:
+    """Whether a ``[B, H, T, S]`` call is small enough for :class:`_ExactBackward`."""
+    return 4 * B * H * T * S * element_size <= EXACT_BACKWARD_MAX_BYTES
+
+
+def exact_backward_possible(device: torch.device, dropout_p: float, training: bool) -> bool:
+    """Whether a call that needs a gradient takes :class:`_ExactBackward` when small enough:
+    on CPU, eagerly, without active dropout (the dispatcher asks this too)."""
+    return (
+        (dropout_p == 0.0 or not training)
+        and device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
 
 
 def fused_attention(
@@ -92,12 +112,10 @@ def fused_attention(
     """
     B, H, T, _ = query.shape
     exact = (  # False with grad mode off, hence inside _ExactBackward.forward itself
-        4 * B * H * T * key.shape[2] * query.element_size() <= EXACT_BACKWARD_MAX_BYTES
-        and (dropout_p == 0.0 or not training)
-        and query.device.type == "cpu"
+        exact_backward_size_ok(B, H, T, key.shape[2], query.element_size())
+        and exact_backward_possible(query.device, dropout_p, training)
         and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
-        and not torch.compiler.is_compiling()
     )
     if exact:
         out = _ExactBackward.apply(query, key, value, attn_bias, mask, is_causal, scale)
