@@ -25,8 +25,8 @@ from torch import Tensor
 
 from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
-from qkv.backends.flex import flex_attention_qkv, flex_refusal
-from qkv.backends.fused import fused_attention
+from qkv.backends.flex import FlexKernelsExhaustedError, flex_attention_qkv, flex_refusal
+from qkv.backends.fused import exact_backward_possible, fused_attention
 from qkv.backends.reductions import reduced_attention
 from qkv.backends.reference import reference_attention
 from qkv.checks import check_positive_int, check_probability
@@ -245,6 +245,9 @@ def _resolve(args: dict[str, Any]) -> _Call:
     scale = 1.0 / math.sqrt(Dh) if scale is None else _check_scale(scale)
     choice: BackendChoice | None = None
     refusal: str | None = None
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (query, key, value, attn_bias)
+    )
     try:
         choice = choose_backend(
             backend,
@@ -264,8 +267,8 @@ def _resolve(args: dict[str, Any]) -> _Call:
                 dropout_p=p,
                 training=args["training"],
             ),
-            needs_grad=torch.is_grad_enabled()
-            and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias)),
+            needs_grad=needs_grad,
+            exact_grad=needs_grad and exact_backward_possible(query.device, p, args["training"]),
         )
     except ValueError as err:
         refusal = str(err)
@@ -308,7 +311,13 @@ def _run(call: _Call) -> tuple[Tensor, Tensor | None]:
         )
         return out, None
     if call.choice.backend == "flex":
-        return flex_attention_qkv(q, k, v, call.choice.mask, call.scale), None  # [B, H, T, Dv]
+        try:
+            return flex_attention_qkv(q, k, v, call.choice.mask, call.scale), None  # [B, H, T, Dv]
+        except FlexKernelsExhaustedError as err:
+            warnings.warn(
+                f"{err}; this call runs on blockwise, later ones avoid flex", stacklevel=3
+            )
+        return blockwise_attention(q, k, v, call.choice.mask, None, call.scale, 0.0, False), None
     if call.choice.reduction is not None:
         out = reduced_attention(
             q,

@@ -124,3 +124,29 @@ def test_flex_refuses_what_it_cannot_do() -> None:
     assert not out.requires_grad
     with pytest.raises(TypeError, match="allowed must be a bool"):
         flex.set_compile_allowed(1)  # type: ignore[arg-type]
+
+
+def test_a_new_window_reuses_the_kernel_and_a_full_kernel_cache_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._dynamo.utils import counters
+
+    q, k, v = _inputs()
+    with torch.no_grad():
+        qkv.attention(q, k, v, mask=SlidingWindow(64), backend="flex")
+        graphs = counters["stats"]["unique_graphs"]
+        out, _ = qkv.attention(q, k, v, mask=SlidingWindow(96), backend="flex")
+    assert counters["stats"]["unique_graphs"] == graphs  # window is a tensor, not a constant
+    _check(out, _reference(q, k, v, SlidingWindow(96)))
+    # Past the kernel limit torch would run flex eagerly (every score materialized); qkv stops.
+    monkeypatch.setattr(flex, "FLEX_MAX_KERNELS", 1)
+    monkeypatch.setitem(flex._state, "exhausted", False)
+    q2, k2, v2 = (x[:, :, :136] for x in (q, k, v))  # a new grid: it would need a new kernel
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs on blockwise"):
+        out, _ = qkv.attention(q2, k2, v2, mask=SlidingWindow(96), backend="flex")
+    _check(out, _reference(q2, k2, v2, SlidingWindow(96)))
+    with torch.no_grad(), qkv.allow_compile():
+        why = qkv.explain_backend(q, k, v, mask=SlidingWindow(96))
+        assert not why.startswith("flex:")
+        with pytest.raises(ValueError, match="compiled its 1 kernels"):
+            qkv.attention(q, k, v, mask=SlidingWindow(96), backend="flex")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from qkv.backends.flex import allow_compile
+from qkv.backends.flex import FLEX_MAX_KERNELS, allow_compile
 from qkv.functional import attention, explain_backend
 from qkv.masks import Causal, Documents, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
 
@@ -222,7 +222,9 @@ def _flex_peer(allowed: MaskModFn, L: int, device: torch.device) -> tuple[Attn, 
     """Compiled ``flex_attention`` with its block mask built once (outside the timing), and the
     seconds of its first (compiling) call."""
     if not _FLEX:
-        _FLEX.append(torch.compile(flex_attention))
+        # dynamic=False as in qkv's flex backend: torch 2.13's dynamic-shape CPU flex kernel
+        # fails to build (undeclared cur_qSplitSize in the generated C++) at the second L.
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
     block = create_block_mask(allowed, None, None, L, L, device=str(device))
     # torch refuses inputs that require grad on CPU even under no_grad: detaching is free.
     fn: Attn = lambda q, k, v: _FLEX[0](  # noqa: E731
@@ -406,10 +408,13 @@ def run_benchmarks(
             "runs freed is reused unseen)"
         )
     Ls = [max(L // scale, 8) for L in (LENGTHS if lengths is None else lengths)]
-    for case in chosen:
-        notes.append(f"{case} at L={Ls[0]}: qkv auto -> {_explain(case, Ls[0], dev)}")
-        for L in Ls:
-            rows += _bench_case(case, L, n, judge, dev, compile, notes)
+    # Every case and length compiles its own flex kernel (peer and qkv alike): past torch's
+    # default recompile limit (8) the peer would run flex_attention eagerly, so raise it.
+    with torch._dynamo.config.patch(recompile_limit=FLEX_MAX_KERNELS):
+        for case in chosen:
+            notes.append(f"{case} at L={Ls[0]}: qkv auto -> {_explain(case, Ls[0], dev)}")
+            for L in Ls:
+                rows += _bench_case(case, L, n, judge, dev, compile, notes)
     return rows, mm, notes
 
 

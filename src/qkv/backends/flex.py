@@ -42,6 +42,8 @@ from qkv.masks.tiles import EMPTY, FULL, Tile, query_offset
 __all__ = [
     "BLOCK_MASK_CACHE_SIZE",
     "FLEX_BLOCK",
+    "FLEX_MAX_KERNELS",
+    "FlexKernelsExhaustedError",
     "allow_compile",
     "compile_allowed",
     "compile_seconds",
@@ -50,10 +52,23 @@ __all__ = [
     "set_compile_allowed",
 ]
 
+FLEX_MAX_KERNELS = 64
+"""Compiled flex kernels kept per process (torch's recompile limit, raised from its default 8
+for qkv's calls only). Each new grid, dtype or mask structure compiles one; past the limit
+torch would silently run flex_attention eagerly (materializing every score, ~40x slower), so
+qkv stops using flex instead: that call runs on blockwise with a warning, and later ones are
+refused (``auto`` picks another backend)."""
+
+
+class FlexKernelsExhaustedError(RuntimeError):
+    """Raised by :func:`flex_attention_qkv` when the call would need kernel number
+    :data:`FLEX_MAX_KERNELS` + 1."""
+
+
 BLOCK_MASK_CACHE_SIZE = 16
 """Block masks kept (least recently used dropped): one per (rule, shape, device)."""
 
-_state = {"allowed": False}
+_state = {"allowed": False, "exhausted": False}
 _compiled: list[Callable[..., Any]] = []
 _compile_seconds: dict[tuple[object, ...], float] = {}
 _block_masks: OrderedDict[tuple[object, ...], tuple[StructuredMask, BlockMask]] = OrderedDict()
@@ -132,6 +147,11 @@ def flex_refusal(
     Returns:
         A sentence, or None.
     """
+    if _state["exhausted"]:
+        return (
+            f"flex has compiled its {FLEX_MAX_KERNELS} kernels in this process "
+            "(qkv.backends.flex.FLEX_MAX_KERNELS); use backend='blockwise'"
+        )
     if attn_bias is not None:
         return "flex takes no attn_bias in qkv (use backend='fused' or 'blockwise')"
     if dropout_p > 0 and training:
@@ -158,11 +178,19 @@ def _predicate(rule: StructuredMask, B: int, H: int, T: int, S: int) -> Predicat
 
         return all_allow
     if isinstance(rule, SlidingWindow):
-        off, w = query_offset(T, S, rule.align, rule.offset), rule.window
+        # 0-d tensors, not Python ints: dynamo would compile a kernel per window and offset.
+        off = torch.tensor(query_offset(T, S, rule.align, rule.offset))
+        if rule.window is None:
+
+            def causal(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+                return q + off - k >= 0  # query position - key position
+
+            return causal
+        w = torch.tensor(rule.window)
 
         def window(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
             delta = q + off - k  # query position - key position
-            return (delta >= 0) if w is None else (delta >= 0) & (delta < w)
+            return (delta >= 0) & (delta < w)
 
         return window
     if isinstance(rule, Padding):
@@ -334,9 +362,17 @@ def flex_attention_qkv(
     first = sig not in _compile_seconds and not torch.compiler.is_compiling()
     start = time.perf_counter()
     block = None if mask is None else block_mask_for(mask, B, H, T, S, query.device)
-    out = _compiled_flex()(
-        q, k, v, block_mask=block, scale=scale, enable_gqa=Hkv != H
-    )  # [B, H, T, Dv]
+    limits = {"recompile_limit": FLEX_MAX_KERNELS, "fail_on_recompile_limit_hit": True}
+    try:
+        with torch._dynamo.config.patch(limits):
+            out = _compiled_flex()(
+                q, k, v, block_mask=block, scale=scale, enable_gqa=Hkv != H
+            )  # [B, H, T, Dv]
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        _state["exhausted"] = True
+        raise FlexKernelsExhaustedError(
+            f"flex has compiled {FLEX_MAX_KERNELS} kernels in this process"
+        ) from err
     if first:
         _compile_seconds[sig] = time.perf_counter() - start
     return out.to(dtype)
