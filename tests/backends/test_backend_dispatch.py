@@ -165,7 +165,7 @@ def test_small_cpu_training_calls_take_blockwise_not_the_recomputing_backward() 
     """Where fused would replace SDPA's CPU backward by its exact recomputation, auto runs
     blockwise (exact too, faster); above the exact backward's size bound, with dropout, or
     without a gradient, fused stays."""
-    for extra in ({}, {"is_causal": True}, {"mask": Padding(torch.tensor([100]))}):
+    for extra in ({}, {"is_causal": True}):
         why = qkv.explain_backend(*_qkv(128, 128, grad=True), **extra)  # type: ignore[arg-type]
         assert why.startswith("blockwise:") and "needs a gradient on CPU" in why
         assert qkv.explain_backend(*_qkv(128, 128), **extra).startswith("fused:")  # type: ignore[arg-type]
@@ -174,22 +174,54 @@ def test_small_cpu_training_calls_take_blockwise_not_the_recomputing_backward() 
     assert qkv.explain_backend(*_qkv(2048, 2048, grad=True)).startswith("fused:")
     q, k, v = _qkv(128, 128, grad=True)
     assert qkv.explain_backend(q, k, v, dropout_p=0.1, training=True).startswith("fused:")
-    # Documents at 4096: each 1024-key piece is under the bound, so blockwise; the grid is not.
-    ids = torch.arange(4096).div(1024, rounding_mode="floor")[None]  # [1, 4096]
-    why = qkv.explain_backend(*_qkv(4096, 4096, grad=True), mask=Documents(ids, ids))
-    assert why.startswith("blockwise:")
+
+
+def test_reduction_pieces_train_on_blockwise_and_match_the_float64_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reduction keeps its pieces; each piece small enough for fused's recomputing backward
+    runs on blockwise instead, gradients exact against float64."""
+    from qkv.backends import reductions
+
+    calls = []
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(args[3])
+        return blockwise.blockwise_attention(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reductions, "blockwise_attention", spy)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 192, 32, dtype=torch.float64) for _ in range(3))
+    ids = torch.arange(192).div(96, rounding_mode="floor").expand(2, 192)  # [2, 192]: 2 docs
+    for mask in (Documents(ids, ids) | Causal(), Padding(torch.tensor([192, 150]))):
+        calls.clear()
+        leaves = [x.float().requires_grad_() for x in (q, k, v)]
+        assert qkv.explain_backend(*leaves, mask=mask).startswith("fused:")
+        out, _ = qkv.attention(*leaves, mask=mask)
+        assert calls, "the pieces should have run on blockwise"
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref, _ = qkv.attention(*ref_leaves, mask=mask, backend="reference")
+        ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+        # float32 rounding: measured below 1e-6 on outputs and relative on gradients.
+        assert (out.double() - ref).abs().max() < 5e-6
+        for g, r in zip(grads, ref_grads, strict=True):
+            assert (g.double() - r).abs().max() < 5e-6 * max(1.0, float(r.abs().max()))
+    with torch.no_grad():
+        calls.clear()
+        qkv.attention(q.float(), k.float(), v.float(), mask=Documents(ids, ids))
+        assert not calls  # no gradient: SDPA
 
 
 def test_blockwise_for_training_matches_the_float64_reference() -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 96, 32, dtype=torch.float64) for _ in range(3))
-    mask = Padding(torch.tensor([96, 40])) | Causal()
     leaves = [x.float().requires_grad_() for x in (q, k, v)]
-    assert qkv.explain_backend(*leaves, mask=mask).startswith("blockwise:")
-    out, _ = qkv.attention(*leaves, mask=mask)
+    assert qkv.explain_backend(*leaves, is_causal=True).startswith("blockwise:")
+    out, _ = qkv.attention(*leaves, is_causal=True)
     grads = torch.autograd.grad(out.square().sum(), leaves)
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref, _ = qkv.attention(*ref_leaves, mask=mask, backend="reference")
+    ref, _ = qkv.attention(*ref_leaves, is_causal=True, backend="reference")
     ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
     # Measured 5.4e-7 and at most 6.4e-7 relative on the gradients: float32 rounding.
     assert (out.double() - ref).abs().max() < 5e-6

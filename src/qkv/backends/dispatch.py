@@ -3,9 +3,10 @@
 ``auto`` is decided per call from facts about it, never by trying a backend and falling back:
 
 1. weights requested: **reference**, the only backend that returns them; a call needing a
-   gradient on CPU (eager, no dropout) of at least :data:`EXACT_GRAD_BLOCKWISE_MIN_PAIRS`
-   pairs where fused would take its exact, score-recomputing backward (for the whole call or
-   a piece of its reduction): **blockwise**, whose tiled backward is exact and faster;
+   gradient on CPU (eager, no dropout) of at least
+   :data:`~qkv.backends.fused.EXACT_GRAD_BLOCKWISE_MIN_PAIRS` pairs where fused would take its
+   exact, score-recomputing backward, and no reduction of step 2 applies: **blockwise**, whose
+   tiled backward is exact and faster (the pieces of a reduction make the same choice each);
 2. a structured mask made of ``Causal`` / ``Padding`` / ``Documents`` parts (or ``is_causal``
    with ``T != S``) that :func:`~qkv.backends.reductions.reduce_mask` cuts exactly into a few
    plain SDPA calls (``is_causal`` kernel, truncated keys, one call per document): **fused**,
@@ -44,7 +45,11 @@ from torch import Tensor
 
 from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
 from qkv.backends.flex import compile_allowed, compile_seconds
-from qkv.backends.fused import exact_backward_size_ok, uses_sdpa_is_causal
+from qkv.backends.fused import (
+    EXACT_GRAD_BLOCKWISE_MIN_PAIRS,
+    exact_backward_size_ok,
+    uses_sdpa_is_causal,
+)
 from qkv.backends.reductions import Reduction, reduce_mask
 from qkv.backends.reference import compute_dtype
 from qkv.masks import StructuredMask
@@ -52,11 +57,6 @@ from qkv.masks.rules import AnyOf, Causal, Dense, Documents, MaskMod, Padding, S
 
 BLOCKWISE_MIN_PAIRS = 1024 * 1024
 """Below this many query-key pairs blockwise's Python tile loop costs more than it skips."""
-EXACT_GRAD_BLOCKWISE_MIN_PAIRS = 64 * 64
-"""From this many query-key pairs, a CPU call that needs a gradient runs faster on blockwise
-than on fused's exact backward (measured fwd+bwd, 2 threads: 14.9 vs 18.8 ms at B=16, H=4,
-T=S=128; 78 vs 201 ms at B=1, H=8, T=S=1024; about even at T=S=32)."""
-
 BLOCKWISE_MIN_SKIP = 0.25
 """Fraction of fully masked tiles from which skipping them beats SDPA over the dense mask."""
 MATERIALIZE_LIMIT_BYTES = 256 * 2**20
@@ -229,9 +229,10 @@ def choose_backend(
     red = _reduction(mask, run_mask, B, H, T, S, strict=requested == "auto", band=band)
     if (
         requested == "auto"
+        and red is None
         and exact_grad
         and pairs >= EXACT_GRAD_BLOCKWISE_MIN_PAIRS
-        and _takes_exact_backward(red, B, H, T, S, query.element_size())
+        and exact_backward_size_ok(B, H, T, S, query.element_size())
     ):
         return BackendChoice(
             "blockwise",
@@ -324,20 +325,6 @@ def choose_backend(
         "fused",
         f"{sm!r}: only {tiles} (< {BLOCKWISE_MIN_SKIP:.0%}), so SDPA over the dense mask is "
         f"faster; {notes}",
-    )
-
-
-def _takes_exact_backward(
-    red: Reduction | None, B: int, H: int, T: int, S: int, element_size: int
-) -> bool:
-    """Whether fused would run (some of) this call through its exact, recomputing backward."""
-    if red is None:
-        return exact_backward_size_ok(B, H, T, S, element_size)
-    return any(
-        exact_backward_size_ok(len(g.batch), H, p.q1 - p.q0, p.k1 - p.k0, element_size)
-        for g in red.groups
-        for p in g.pieces
-        if p.kind != "dead"
     )
 
 

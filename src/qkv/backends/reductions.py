@@ -37,10 +37,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from qkv.backends.blockwise import bias_tile
-from qkv.backends.fused import fused_attention
+from qkv.backends.blockwise import bias_tile, blockwise_attention
+from qkv.backends.fused import blockwise_trains_faster, fused_attention
 from qkv.masks import EMPTY, FULL, StructuredMask, Tile
-from qkv.masks.rules import AnyOf, Documents, Padding, SlidingWindow
+from qkv.masks.rules import AnyOf, Causal, Dense, Documents, Padding, SlidingWindow
 from qkv.masks.tiles import query_offset
 
 MAX_CALLS = 256
@@ -486,18 +486,19 @@ def reduced_attention(
                 if tm is not FULL:
                     assert isinstance(tm, Tensor)
                     mask = _rows(tm, g.batch, B)  # [g|1, H|1, bq, bk]
-            out = fused_attention(
-                q[:, :, p.q0 : p.q1],
-                k[:, :, p.k0 : p.k1],
-                v[:, :, p.k0 : p.k1],
-                mask,
-                bias_tile(bias, p.q0, p.q1, p.k0, p.k1),
-                is_causal=p.kind == "causal",
-                scale=scale,
-                dropout_p=dropout_p,
-                training=training,
-            )  # [g, H, bq, Dv]
-            rows.append(out)
+            rows.append(
+                _piece_attention(
+                    q[:, :, p.q0 : p.q1],
+                    k[:, :, p.k0 : p.k1],
+                    v[:, :, p.k0 : p.k1],
+                    mask,
+                    bias_tile(bias, p.q0, p.q1, p.k0, p.k1),
+                    p.kind == "causal",
+                    scale,
+                    dropout_p,
+                    training,
+                )  # [g, H, bq, Dv]
+            )
         outs.append(rows[0] if len(rows) == 1 else torch.cat(rows, dim=2))  # [g, H, T, Dv]
     if len(outs) == 1:
         return outs[0]
@@ -505,3 +506,34 @@ def reduced_attention(
     inverse = torch.empty(B, dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(B)
     return torch.cat(outs, dim=0).index_select(0, inverse.to(query.device))  # [B, H, T, Dv]
+
+
+def _piece_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    training: bool,
+) -> Tensor:
+    """One piece: SDPA, or blockwise where fused would train it through its slower exact
+    backward (:func:`~qkv.backends.fused.blockwise_trains_faster`)."""
+    if not blockwise_trains_faster(q, k, bias, dropout_p, training):
+        return fused_attention(
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            is_causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            training=training,
+        )  # [g, H, bq, Dv]
+    rule: StructuredMask | None = Causal() if causal else None
+    if mask is not None:
+        rule = Dense(mask) if rule is None else rule | Dense(mask)
+    return blockwise_attention(q, k, v, rule, bias, scale, dropout_p, training)  # [g, H, bq, Dv]
