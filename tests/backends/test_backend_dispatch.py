@@ -195,35 +195,32 @@ def test_reduction_pieces_train_on_blockwise_and_match_the_float64_reference(
     ids = torch.arange(192).div(96, rounding_mode="floor").expand(2, 192)  # [2, 192]: 2 docs
     for mask in (Documents(ids, ids) | Causal(), Padding(torch.tensor([192, 150]))):
         calls.clear()
-        leaves = [x.float().requires_grad_() for x in (q, k, v)]
-        assert qkv.explain_backend(*leaves, mask=mask).startswith("fused:")
-        out, _ = qkv.attention(*leaves, mask=mask)
+        _check_training_against_float64(q, k, v, "fused:", mask=mask)
         assert calls, "the pieces should have run on blockwise"
-        grads = torch.autograd.grad(out.square().sum(), leaves)
-        ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref, _ = qkv.attention(*ref_leaves, mask=mask, backend="reference")
-        ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
-        # float32 rounding: measured below 1e-6 on outputs and relative on gradients.
-        assert (out.double() - ref).abs().max() < 5e-6
-        for g, r in zip(grads, ref_grads, strict=True):
-            assert (g.double() - r).abs().max() < 5e-6 * max(1.0, float(r.abs().max()))
     with torch.no_grad():
         calls.clear()
         qkv.attention(q.float(), k.float(), v.float(), mask=Documents(ids, ids))
         assert not calls  # no gradient: SDPA
 
 
-def test_blockwise_for_training_matches_the_float64_reference() -> None:
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 96, 32, dtype=torch.float64) for _ in range(3))
+def _check_training_against_float64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, **call: object
+) -> None:
+    """auto in float32 picks ``backend`` and its output and gradients match the float64
+    reference to float32 rounding (measured at most 6.4e-7, relative on the gradients)."""
     leaves = [x.float().requires_grad_() for x in (q, k, v)]
-    assert qkv.explain_backend(*leaves, is_causal=True).startswith("blockwise:")
-    out, _ = qkv.attention(*leaves, is_causal=True)
+    assert qkv.explain_backend(*leaves, **call).startswith(backend)  # type: ignore[arg-type]
+    out, _ = qkv.attention(*leaves, **call)  # type: ignore[arg-type]
     grads = torch.autograd.grad(out.square().sum(), leaves)
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref, _ = qkv.attention(*ref_leaves, is_causal=True, backend="reference")
+    ref, _ = qkv.attention(*ref_leaves, backend="reference", **call)  # type: ignore[arg-type]
     ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
-    # Measured 5.4e-7 and at most 6.4e-7 relative on the gradients: float32 rounding.
     assert (out.double() - ref).abs().max() < 5e-6
     for g, r in zip(grads, ref_grads, strict=True):
         assert (g.double() - r).abs().max() < 5e-6 * max(1.0, float(r.abs().max()))
+
+
+def test_blockwise_for_training_matches_the_float64_reference() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 96, 32, dtype=torch.float64) for _ in range(3))
+    _check_training_against_float64(q, k, v, "blockwise:", is_causal=True)
