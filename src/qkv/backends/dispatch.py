@@ -251,23 +251,7 @@ def choose_backend(
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
     sparse_kind = structured or (is_causal and T != S)
     if not sparse_kind:
-        if isinstance(mask, Tensor) and T * S >= BLOCKWISE_MIN_PAIRS:
-            bq, bk = resolve_blocks(None, block_q, block_k)
-            skipped = dense_tile_skip(mask, bq, bk)
-            if skipped is not None and skipped >= BLOCKWISE_MIN_SKIP:
-                return BackendChoice(
-                    "blockwise",
-                    f"the mask tensor has {skipped:.0%} of its {bq}x{bk} tiles fully masked "
-                    "(classified in one pass over it), and blockwise skips them",
-                    run_mask,
-                )
-        if isinstance(mask, Tensor):
-            why = "an explicit mask tensor goes to SDPA as it is"
-        elif uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal):
-            why = "is_causal with T == S: SDPA's own causal kernel skips the upper triangle"
-        else:
-            why = "no structured mask"
-        return BackendChoice("fused", f"{why}; {notes}")
+        return _dense_choice(mask, run_mask, attn_bias, is_causal, T, S, block_q, block_k, notes)
     if flex_first:
         return BackendChoice(
             "flex",
@@ -278,6 +262,55 @@ def choose_backend(
             ),
             run_mask,
         )
+    return _tile_choice(query, mask, run_mask, (B, H, T, S), block_q, block_k, needs_grad, notes)
+
+
+def _dense_choice(
+    mask: Tensor | StructuredMask | None,
+    run_mask: StructuredMask | None,
+    attn_bias: Tensor | None,
+    is_causal: bool,
+    T: int,
+    S: int,
+    block_q: int | None,
+    block_k: int | None,
+    notes: str,
+) -> BackendChoice:
+    """Step 5 for a call with no structured mask: a block-sparse mask tensor goes blockwise
+    (its tiles classified in one pass), everything else to SDPA."""
+    if isinstance(mask, Tensor) and T * S >= BLOCKWISE_MIN_PAIRS:
+        bq, bk = resolve_blocks(None, block_q, block_k)
+        skipped = dense_tile_skip(mask, bq, bk)
+        if skipped is not None and skipped >= BLOCKWISE_MIN_SKIP:
+            return BackendChoice(
+                "blockwise",
+                f"the mask tensor has {skipped:.0%} of its {bq}x{bk} tiles fully masked "
+                "(classified in one pass over it), and blockwise skips them",
+                run_mask,
+            )
+    if isinstance(mask, Tensor):
+        why = "an explicit mask tensor goes to SDPA as it is"
+    elif uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal):
+        why = "is_causal with T == S: SDPA's own causal kernel skips the upper triangle"
+    else:
+        why = "no structured mask"
+    return BackendChoice("fused", f"{why}; {notes}")
+
+
+def _tile_choice(
+    query: Tensor,
+    mask: Tensor | StructuredMask | None,
+    run_mask: StructuredMask | None,
+    grid: tuple[int, int, int, int],
+    block_q: int | None,
+    block_k: int | None,
+    needs_grad: bool,
+    notes: str,
+) -> BackendChoice:
+    """Steps 4-5 for a structured mask no reduction or flex took: blockwise where it skips
+    enough tiles or the materialized mask would be too large, else SDPA over the dense mask."""
+    B, H, T, S = grid
+    pairs = T * S
     # Why a sliding window was not cut into bands, when that is the reason.
     no_band = (
         "; the sliding window is cut into band SDPA calls only when no gradient is needed "
