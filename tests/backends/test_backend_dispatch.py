@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import blockwise, dispatch, flex
+from qkv.backends import blockwise, dispatch, flex, reductions
 from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow
 
 
@@ -181,8 +181,6 @@ def test_reduction_pieces_train_on_blockwise_and_match_the_float64_reference(
 ) -> None:
     """A reduction keeps its pieces; each piece small enough for fused's recomputing backward
     runs on blockwise instead, gradients exact against float64."""
-    from qkv.backends import reductions
-
     calls = []
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:

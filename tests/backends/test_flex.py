@@ -7,6 +7,7 @@ the parity cases are few and share one grid.
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import qkv
 from qkv.backends import flex
@@ -129,8 +130,6 @@ def test_flex_refuses_what_it_cannot_do() -> None:
 def test_a_new_window_reuses_the_kernel_and_a_full_kernel_cache_falls_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torch._dynamo.utils import counters
-
     q, k, v = _inputs()
     with torch.no_grad():
         qkv.attention(q, k, v, mask=SlidingWindow(64), backend="flex")
