@@ -21,7 +21,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/qkv demo
-	@echo; echo "== training the default task (reverse): 65-110 s on one CPU thread, depending on load =="
+	@echo; echo "== training the default task (reverse): 65-215 s on one CPU thread, depending on load (214 s measured 2026-12-03) =="
 	$(BIN)/qkv train --task reverse --out runs/demo-reverse --overwrite
 	@echo; echo "== decoding three inputs with the checkpoint (greedy, beam search) =="
 	$(BIN)/qkv generate runs/demo-reverse "abcdefg"
