@@ -26,7 +26,7 @@ from torch import Tensor
 from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
 from qkv.backends.flex import FlexKernelsExhaustedError, flex_attention_qkv, flex_refusal
-from qkv.backends.fused import exact_backward_possible, fused_attention
+from qkv.backends.fused import blockwise_trains_faster, fused_attention
 from qkv.backends.reductions import reduced_attention
 from qkv.backends.reference import reference_attention
 from qkv.checks import check_positive_int, check_probability
@@ -268,7 +268,9 @@ def _resolve(args: dict[str, Any]) -> _Call:
                 training=args["training"],
             ),
             needs_grad=needs_grad,
-            exact_grad=needs_grad and exact_backward_possible(query.device, p, args["training"]),
+            blockwise_trains=blockwise_trains_faster(
+                query, key, value, attn_bias, p, args["training"]
+            ),
         )
     except ValueError as err:
         refusal = str(err)

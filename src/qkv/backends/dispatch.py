@@ -45,11 +45,7 @@ from torch import Tensor
 
 from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
 from qkv.backends.flex import compile_allowed, compile_seconds
-from qkv.backends.fused import (
-    EXACT_GRAD_BLOCKWISE_MIN_PAIRS,
-    exact_backward_size_ok,
-    uses_sdpa_is_causal,
-)
+from qkv.backends.fused import uses_sdpa_is_causal
 from qkv.backends.reductions import Reduction, reduce_mask
 from qkv.backends.reference import compute_dtype
 from qkv.masks import StructuredMask
@@ -65,7 +61,6 @@ MATERIALIZE_LIMIT_BYTES = 256 * 2**20
 __all__ = [
     "BLOCKWISE_MIN_PAIRS",
     "BLOCKWISE_MIN_SKIP",
-    "EXACT_GRAD_BLOCKWISE_MIN_PAIRS",
     "MATERIALIZE_LIMIT_BYTES",
     "BackendChoice",
     "blockwise_mask",
@@ -171,7 +166,7 @@ def choose_backend(
     block_k: int | None = None,
     flex_blocker: str | None = None,
     needs_grad: bool = False,
-    exact_grad: bool = False,
+    blockwise_trains: bool = False,
 ) -> BackendChoice:
     """Decide the backend of one (already validated) :func:`qkv.attention` call.
 
@@ -188,8 +183,8 @@ def choose_backend(
         flex_blocker: why the flex backend cannot run this call
             (:func:`~qkv.backends.flex.flex_refusal`), or None when it can.
         needs_grad: the call computes a gradient (then a sliding window is not cut into bands).
-        exact_grad: the gradient would come from fused's exact CPU backward where small enough
-            (:func:`~qkv.backends.fused.exact_backward_possible`).
+        blockwise_trains: the whole call would train faster on blockwise than through fused's
+            exact CPU backward (:func:`~qkv.backends.fused.blockwise_trains_faster`).
 
     Returns:
         The backend, a sentence explaining the choice, and for blockwise or flex its mask and
@@ -227,13 +222,7 @@ def choose_backend(
     flex_first = compile_allowed() and flex_blocker is None and pairs >= BLOCKWISE_MIN_PAIRS
     band = not needs_grad and not flex_first
     red = _reduction(mask, run_mask, B, H, T, S, strict=requested == "auto", band=band)
-    if (
-        requested == "auto"
-        and red is None
-        and exact_grad
-        and pairs >= EXACT_GRAD_BLOCKWISE_MIN_PAIRS
-        and exact_backward_size_ok(B, H, T, S, query.element_size())
-    ):
+    if requested == "auto" and red is None and blockwise_trains:
         return BackendChoice(
             "blockwise",
             "the call needs a gradient on CPU, where fused replaces SDPA's imprecise float32 "

@@ -76,7 +76,12 @@ T=S=128; 5.4 vs 7.2 ms at B=1, H=8, T=S=256; 78 vs 201 ms at T=S=1024; about eve
 
 
 def blockwise_trains_faster(
-    query: Tensor, key: Tensor, attn_bias: Tensor | None, dropout_p: float, training: bool
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_bias: Tensor | None,
+    dropout_p: float,
+    training: bool,
 ) -> bool:
     """Whether this call would take :class:`_ExactBackward` and blockwise's exact tiled backward
     is faster: the dispatcher and the reductions then run blockwise instead."""
@@ -87,7 +92,7 @@ def blockwise_trains_faster(
         and exact_backward_size_ok(B, H, T, S, query.element_size())
         and exact_backward_possible(query.device, dropout_p, training)
         and torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (query, key, attn_bias))
+        and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
     )
 
 

@@ -521,7 +521,7 @@ def _piece_attention(
 ) -> Tensor:
     """One piece: SDPA, or blockwise where fused would train it through its slower exact
     backward (:func:`~qkv.backends.fused.blockwise_trains_faster`)."""
-    if not blockwise_trains_faster(q, k, bias, dropout_p, training):
+    if not blockwise_trains_faster(q, k, v, bias, dropout_p, training):
         return fused_attention(
             q,
             k,
