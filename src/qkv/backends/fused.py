@@ -87,12 +87,14 @@ def blockwise_trains_faster(
     is faster: the dispatcher and the reductions then run blockwise instead."""
     B, H, T, _ = query.shape
     S = key.shape[2]
+    # Shape comparisons last: under torch.export / compile the first test is False, and a
+    # comparison of symbolic lengths would add a guard on them.
     return (
-        T * S >= EXACT_GRAD_BLOCKWISE_MIN_PAIRS
-        and exact_backward_size_ok(B, H, T, S, query.element_size())
-        and exact_backward_possible(query.device, dropout_p, training)
+        exact_backward_possible(query.device, dropout_p, training)
         and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        and T * S >= EXACT_GRAD_BLOCKWISE_MIN_PAIRS
+        and exact_backward_size_ok(B, H, T, S, query.element_size())
     )
 
 
