@@ -219,19 +219,36 @@ def _blockwise(mask: object, is_causal: bool) -> Callable[..., Tensor]:
     return f
 
 
-def test_blockwise_compiles_fullgraph_only_for_rules_classified_without_values() -> None:
-    """Blockwise plans its tiles in Python. A rule classified by index arithmetic and lengths
-    (``Padding(lengths)``) gives a static plan: dynamo unrolls the tile loop into one graph.
-    Combined rules (``Causal() | Padding``), ``Padding(is_pad)`` and ``Dense`` classify a tile
-    from the mask's values (``bool(tile.all())``) and break the graph there: blockwise is the
-    eager memory-saving backend; use fused under torch.compile."""
-    q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
-    lengths = qkv.masks.Padding(torch.tensor([5]))
-    static = _blockwise(lengths, False)
-    assert torch._dynamo.explain(static)(q, k, v).graph_break_count == 0
-    compiled = torch.compile(static, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(q, k, v), static(q, k, v), **EXPORT_TOL)
-    assert torch._dynamo.explain(_blockwise(lengths, True))(q, k, v).graph_break_count > 0
+BLOCKWISE_RULES: dict[str, Callable[[], object]] = {
+    "padding_lengths": lambda: qkv.masks.Padding(torch.tensor([5])),
+    "padding_is_pad": lambda: qkv.masks.Padding(torch.arange(8)[None] >= 5),
+    "causal_or_padding": lambda: qkv.masks.Causal() | qkv.masks.Padding(torch.tensor([5])),
+    "documents": lambda: qkv.masks.Documents(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])),
+    "mask_mod": lambda: qkv.masks.MaskMod(lambda b, h, q, kv: (q - kv).abs() <= 2),
+    "dense": lambda: qkv.masks.Dense(torch.rand(1, 1, 8, 8) < 0.3),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "is_causal"), [(name, name in ("padding_is_pad", "dense")) for name in BLOCKWISE_RULES]
+)
+def test_blockwise_compiles_fullgraph_for_every_rule(name: str, is_causal: bool) -> None:
+    """Blockwise plans its tiles in Python. Eagerly a rule may skip a tile from its values
+    (``bool(tile.all())``); under tracing such a tile is computed with its own mask instead, so
+    the tile loop unrolls into one graph for every rule, with the eager result. Gradients too."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g, requires_grad=True) for _ in range(3))
+    f = _blockwise(BLOCKWISE_RULES[name](), is_causal)
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch.enable_grad():  # this module runs under no_grad (the _no_grad fixture)
+        got, want = compiled(q, k, v), f(q, k, v)
+        got_grads = torch.autograd.grad(got.sum(), (q, k, v))
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    torch.testing.assert_close(got, want, **EXPORT_TOL)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, **EXPORT_TOL)
 
 
 def test_model_value_checks_run_eagerly_and_can_be_switched_off() -> None:

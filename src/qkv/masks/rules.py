@@ -262,9 +262,9 @@ class Padding(StructuredMask):
     def tile(self, tile: Tile) -> TileMask:
         if self.is_pad is not None:
             blocked = self.is_pad[:, tile.k0 : tile.k1]  # [B, bk]
-            if bool(blocked.all()):
+            if _by_value() and bool(blocked.all()):
                 return EMPTY
-            if not bool(blocked.any()):
+            if _by_value() and not bool(blocked.any()):
                 return FULL
         else:
             assert self.lengths is not None
@@ -312,12 +312,13 @@ class Documents(StructuredMask):
     def tile(self, tile: Tile) -> TileMask:
         qd = self.q_ids[:, tile.q0 : tile.q1]  # [B, bq]
         kd = self.kv_ids[:, tile.k0 : tile.k1]  # [B, bk]
-        q_lo, q_hi = qd.amin(dim=1), qd.amax(dim=1)  # [B]
-        k_lo, k_hi = kd.amin(dim=1), kd.amax(dim=1)  # [B]
-        if bool(((q_hi < k_lo) | (k_hi < q_lo)).all()):
-            return EMPTY
-        if bool(((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()):
-            return FULL
+        if _by_value():
+            q_lo, q_hi = qd.amin(dim=1), qd.amax(dim=1)  # [B]
+            k_lo, k_hi = kd.amin(dim=1), kd.amax(dim=1)  # [B]
+            if bool(((q_hi < k_lo) | (k_hi < q_lo)).all()):
+                return EMPTY
+            if bool(((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()):
+                return FULL
         blocked = qd[:, :, None] != kd[:, None, :]  # [B, bq, bk]
         return blocked[:, None]  # [B, 1, bq, bk]
 
@@ -325,8 +326,21 @@ class Documents(StructuredMask):
 ModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+def _by_value() -> bool:
+    """Whether a tile may be classified from the mask's values (``bool(tile.all())``).
+
+    Not under torch.compile / export: a data-dependent branch would break the graph there.
+    Such a tile is then computed with its own mask, which is exact (only slower), so compiled
+    blockwise stays one graph for every rule.
+    """
+    return not torch.compiler.is_compiling()
+
+
 def _classify(blocked: Tensor) -> TileMask:
-    """EMPTY if every key of the tile is blocked, FULL if none is, else the tile itself."""
+    """EMPTY if every key of the tile is blocked, FULL if none is, else the tile itself
+    (always the tile itself under tracing, see :func:`_by_value`)."""
+    if not _by_value():
+        return blocked
     if bool(blocked.all()):
         return EMPTY
     if not bool(blocked.any()):
@@ -437,7 +451,7 @@ class AnyOf(StructuredMask):
         for t in tiles[1:]:
             assert isinstance(t, Tensor)
             out = out | t  # [B|1, H|1, bq, bk]
-        if bool(out.all()):
+        if _by_value() and bool(out.all()):
             return EMPTY
         return out
 
