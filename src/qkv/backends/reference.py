@@ -7,8 +7,9 @@ by :mod:`qkv.functional`. This is the backend every other one is tested against.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from qkv.dropout import dropout
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,7 +106,7 @@ def reference_attention(
         scores = scores.masked_fill(dead, 0.0)  # [B, H, T, S]
         weights = torch.softmax(scores, dim=-1).masked_fill(dead, 0.0)  # [B, H, T, S]
         if training and dropout_p > 0.0:
-            weights = F.dropout(weights, p=dropout_p, training=True)  # [B, H, T, S]
+            weights = dropout(weights, dropout_p)  # [B, H, T, S]
         # masked_fill, not a multiply: a NaN value a dead row's zero weights meet stays out
         out = torch.matmul(weights, v).masked_fill(dead, 0.0)  # [B, H, T, Dv]
     return out.to(out_dtype), weights.to(out_dtype)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.checks import check_positive_int, check_probability, checks_values
+from qkv.dropout import Dropout
 from qkv.functional import BACKENDS, Backend, attention
 from qkv.masks import from_hf
 from qkv.masks import padding_mask as padding_mask_of
@@ -136,7 +137,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, D, **factory)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, D, **factory)
         self.norm = nn.LayerNorm(D, eps=config.layer_norm_eps, **factory)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         """Args:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from qkv.dropout import Dropout
 from qkv.models.config import DecoderOnlyConfig
 from qkv.models.generate import sample_decoder_only
 from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
@@ -88,7 +89,7 @@ class DecoderOnlyLM(nn.Module):
         D = c.d_model
         self.embed = nn.Embedding(c.vocab_size, D)
         self.positional = make_positional(**c.positional_kwargs())
-        self.embed_dropout = nn.Dropout(c.dropout)
+        self.embed_dropout = Dropout(c.dropout)
         self.blocks = Encoder(
             [EncoderLayer(**c.layer_kwargs()) for _ in range(c.num_layers)],
             make_norm(c.norm, D, c.layer_norm_eps) if c.norm_first else None,

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from qkv.dropout import Dropout
 from qkv.masks import padding_mask
 from qkv.models.config import TransformerConfig
 from qkv.models.generate import beam_search, check_beam_options, greedy_encoder_decoder
@@ -57,7 +58,7 @@ class Transformer(nn.Module):
         self.src_embed = nn.Embedding(c.src_vocab_size, D)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
         self.positional = make_positional(**c.positional_kwargs())
-        self.embed_dropout = nn.Dropout(c.dropout)
+        self.embed_dropout = Dropout(c.dropout)
         layer_kw = c.layer_kwargs()
         self.encoder = Encoder(
             [EncoderLayer(**layer_kw) for _ in range(c.num_encoder_layers)],

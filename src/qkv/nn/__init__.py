@@ -1,5 +1,6 @@
 """Building blocks above the attention function: they project, reshape and call it."""
 
+from qkv.dropout import Dropout
 from qkv.nn.feed_forward import FeedForward
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import DecoderLayer, EncoderLayer
@@ -9,6 +10,7 @@ from qkv.nn.stacks import Decoder, Encoder, EncoderDecoder
 __all__ = [
     "Decoder",
     "DecoderLayer",
+    "Dropout",
     "Encoder",
     "EncoderDecoder",
     "EncoderLayer",

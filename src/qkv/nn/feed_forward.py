@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.dropout import Dropout
+
 Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "swiglu")
 
@@ -62,7 +64,7 @@ class FeedForward(nn.Module):
             else None
         )
         self.fc2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         """Args: x ``[B, T, D]``. Returns: ``[B, T, D]``."""

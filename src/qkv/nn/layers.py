@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Unpack
 import torch
 from torch import Tensor, nn
 
+from qkv.dropout import Dropout
 from qkv.nn.extras import DecoderLayerExtras, EncoderLayerExtras
 from qkv.nn.feed_forward import Activation, FeedForward
 from qkv.nn.multihead import MultiHeadAttention
@@ -65,8 +66,8 @@ class _Layer(nn.Module):
     _cross: ClassVar[bool] = False
     norm1: nn.Module
     norm2: nn.Module
-    dropout1: nn.Dropout
-    dropout2: nn.Dropout
+    dropout1: Dropout
+    dropout2: Dropout
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class _Layer(nn.Module):
         for i in range(1, sublayers + 1):
             setattr(self, f"norm{i}", make_norm(norm, d_model, layer_norm_eps, **factory))
         for i in range(1, sublayers + 1):
-            setattr(self, f"dropout{i}", nn.Dropout(dropout))
+            setattr(self, f"dropout{i}", Dropout(dropout))
 
     @staticmethod
     def _attend(
@@ -190,7 +191,7 @@ class DecoderLayer(_Layer):
     _cross = True
     cross_attn: MultiHeadAttention
     norm3: nn.Module
-    dropout3: nn.Dropout
+    dropout3: Dropout
 
     def _cross_block(
         self, x: Tensor, memory: Tensor, masks: _Masks, is_causal: bool, extra: _Extras
