@@ -17,6 +17,13 @@ def test_table_has_every_case_side_by_side() -> None:
     assert len([n for n in notes if " at L=" in n]) == len(CASES)
     assert "one SDPA call per document" in table
     assert "lower bound" in table  # CPU peak memory is labelled as what it is
+    # "4 documents | Causal" is escaped: every row has the header's 10 cells
+    cells = [
+        len(line.replace("\\|", "").split("|")) - 2
+        for line in table.splitlines()
+        if line[:1] == "|"
+    ]
+    assert len(cells) == len(rows) + 2 and set(cells) == {10}
 
 
 def test_compile_adds_flex_peer_forward_only_on_cpu_and_qkv_with_compile_allowed() -> None:

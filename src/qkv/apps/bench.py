@@ -440,8 +440,9 @@ def format_table(rows: Sequence[Row], mm: float, notes: Sequence[str]) -> str:
             bound = float(r.goal.split()[1])
             met = f"{r.goal}: {'met' if r.ratio <= bound else 'NOT met'}"
         peak = "" if r.peak_mb is None else f"{r.peak_mb:.0f}"
+        case = r.case.replace("|", "\\|")  # "4 documents | Causal" is one cell, not two
         lines.append(
-            f"| {r.case} | {r.L} | {r.mode} | {r.contestant} | {1e3 * r.seconds:.1f} | {ratio} | "
+            f"| {case} | {r.L} | {r.mode} | {r.contestant} | {1e3 * r.seconds:.1f} | {ratio} | "
             f"{r.gflops:.1f} | {100 * r.gflops / mm:.0f} % | {peak} | {met} |"
         )
     return "\n".join([*lines, "", *notes])

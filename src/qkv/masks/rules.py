@@ -262,10 +262,11 @@ class Padding(StructuredMask):
     def tile(self, tile: Tile) -> TileMask:
         if self.is_pad is not None:
             blocked = self.is_pad[:, tile.k0 : tile.k1]  # [B, bk]
-            if _by_value() and bool(blocked.all()):
-                return EMPTY
-            if _by_value() and not bool(blocked.any()):
-                return FULL
+            if _by_value():
+                if bool(blocked.all()):
+                    return EMPTY
+                if not bool(blocked.any()):
+                    return FULL
         else:
             assert self.lengths is not None
             if tile.k0 >= self._max:
