@@ -76,6 +76,32 @@ def test_documents_and_mask_mod_match_the_reference() -> None:
     _check(out, _reference(q, k, v, mask))
 
 
+def test_block_masks_broadcast_over_what_the_rule_does_not_depend_on() -> None:
+    dev = torch.device("cpu")
+
+    def per_head(
+        b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor
+    ) -> torch.Tensor:
+        return (h == 0) | (ki <= qi)  # head 0 sees every key, the others are causal
+
+    shapes = {
+        "window": SlidingWindow(48),
+        "padding": Padding(torch.tensor([180, 0])),
+        "heads": MaskMod(per_head),
+    }
+    got = {
+        name: tuple(flex.block_mask_for(rule, B, H, T, S, dev).kv_num_blocks.shape[:2])
+        for name, rule in shapes.items()
+    }
+    # flex's CPU kernel is slower with a block mask repeated per head: only what varies is kept
+    assert got == {"window": (1, 1), "padding": (B, 1), "heads": (1, H)}
+    q, k, v = _inputs(T_=S)
+    out, _ = qkv.attention(q, k, v, mask=shapes["heads"], backend="flex")
+    ref = _reference(q, k, v, shapes["heads"])
+    _check(out, ref)
+    assert not torch.allclose(ref[:, 0], ref[:, 1])  # the heads do differ
+
+
 def test_auto_never_compiles_without_the_switch() -> None:
     q, k, v = _inputs(T_=S)
     big = [torch.zeros(1, 1, 1024, DH)] * 3

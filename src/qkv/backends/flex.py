@@ -37,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from qkv.backends.reference import compute_dtype, drop_blocked_keys
 from qkv.masks.rules import AnyOf, Dense, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
-from qkv.masks.tiles import EMPTY, FULL, Tile, query_offset
+from qkv.masks.tiles import EMPTY, Tile, TileMask, query_offset
 
 __all__ = [
     "BLOCK_MASK_CACHE_SIZE",
@@ -234,11 +234,18 @@ FLEX_BLOCK = 128
 def _block_status(
     rule: StructuredMask, B: int, H: int, T: int, S: int, device: torch.device
 ) -> Tensor:
-    """Each ``FLEX_BLOCK``-square block of the grid for each sample and head: 0 every pair
-    blocked, 1 partly blocked, 2 nothing blocked; from the rule's own tile classification (an
-    analytic answer for most tiles; a small bool tile where it is partial), ``[B, H, nq, nk]``."""
+    """Each ``FLEX_BLOCK``-square block of the grid: 0 every pair blocked, 1 partly blocked, 2
+    nothing blocked; from the rule's own tile classification (an analytic answer for most
+    tiles; a small bool tile where it is partial).
+
+    Returns ``[B|1, H|1, nq, nk]``: a dim is kept only if some partial tile varies along it (a
+    tile that is FULL or EMPTY is so for every sample and head). A block mask broadcast over
+    heads runs faster: flex's CPU kernel took 1.13x the time with the same blocks repeated per
+    head (sliding window 256, 4k, 8 heads).
+    """
     nq, nk = -(-T // FLEX_BLOCK), -(-S // FLEX_BLOCK)
-    status = torch.zeros(B, H, nq, nk, dtype=torch.int8, device=device)
+    found: list[tuple[int, int, TileMask]] = []
+    Bs, Hs = 1, 1
     for i in range(nq):
         q0, q1 = i * FLEX_BLOCK, min((i + 1) * FLEX_BLOCK, T)
         for j in range(nk):
@@ -246,14 +253,19 @@ def _block_status(
             tm = rule.tile(Tile(B, H, T, S, q0, q1, k0, k1, device))
             if tm is EMPTY:
                 continue
-            if tm is FULL:
-                status[:, :, i, j] = 2
-                continue
-            assert isinstance(tm, Tensor)
-            blocked = tm.expand(B, H, q1 - q0, k1 - k0)  # [B, H, bq, bk]
-            none = ~blocked.any(dim=3).any(dim=2)  # [B, H]
-            every = blocked.all(dim=3).all(dim=2)  # [B, H]
-            status[:, :, i, j] = torch.where(none, 2, torch.where(every, 0, 1)).to(torch.int8)
+            if isinstance(tm, Tensor):
+                tm = tm.reshape((1,) * (4 - tm.dim()) + tuple(tm.shape))  # [B|1, H|1, ·, ·]
+                Bs, Hs = max(Bs, tm.shape[0]), max(Hs, tm.shape[1])
+            found.append((i, j, tm))
+    status = torch.zeros(Bs, Hs, nq, nk, dtype=torch.int8, device=device)
+    for i, j, tm in found:
+        if not isinstance(tm, Tensor):  # FULL
+            status[:, :, i, j] = 2
+            continue
+        blocked = tm.expand(Bs, Hs, *tm.shape[2:])  # [B|1, H|1, bq, bk]
+        none = ~blocked.any(dim=3).any(dim=2)  # [B|1, H|1]
+        every = blocked.all(dim=3).all(dim=2)  # [B|1, H|1]
+        status[:, :, i, j] = torch.where(none, 2, torch.where(every, 0, 1)).to(torch.int8)
     return status
 
 
