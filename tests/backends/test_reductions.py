@@ -290,6 +290,40 @@ def test_band_with_padding_cuts_each_sample_to_its_live_keys() -> None:
     assert plain is not None and repr(plain.piece_mask).startswith("SlidingWindow")
 
 
+def test_band_pieces_ask_the_window_once_per_pattern_and_carry_the_bias(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[int, int, int, int]] = []
+    tile = SlidingWindow.tile
+
+    def spy(self: SlidingWindow, t: object) -> object:
+        asked.append((t.q0, t.q1, t.k0, t.k1))  # type: ignore[attr-defined]
+        return tile(self, t)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SlidingWindow, "tile", spy)
+    xs = _f32(2, 2, 1, 1024, 1024)
+    bias = torch.randn(2, 1, 1024, 1024)
+    rule = SlidingWindow(64) | Padding(torch.tensor([1024, 700]))
+    _band(xs, rule)
+    red = reduce_mask(rule, 2, 2, 1024, 1024, band=True)
+    assert red is not None
+    masked = [p for g in red.groups for p in g.pieces if p.kind == "masked"]
+    bands = [t for t in asked if t != (0, 1024, 0, 1024)]  # the reference's whole mask
+    # 14 band pieces (8 + 6; the rest of sample 1 is dead) and 3 patterns: the first block
+    # (cut at key 0), the interior blocks (one shared diagonal offset), and sample 1's block at
+    # its live length 700, whose last rows see no key: that one is asked again by the path
+    # that zeroes dead rows
+    assert len(masked) == 14
+    assert bands == [(0, 128, 0, 128), (128, 256, 65, 256), *[(640, 768, 577, 700)] * 2]
+    asked.clear()
+    with torch.no_grad():
+        got, _ = qkv.attention(*xs, mask=rule, attn_bias=bias)
+        want, _ = qkv.attention(
+            *(x.double() for x in xs), mask=rule, attn_bias=bias.double(), backend="reference"
+        )
+    torch.testing.assert_close(got.double(), want, **TOL32)
+
+
 def test_band_inside_documents() -> None:
     ids = _docs([200, 37, 275])  # [1, 512]
     why = _band(_f32(1, 2, 2, 512, 512), SlidingWindow(64) | Documents(ids))

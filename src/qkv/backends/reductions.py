@@ -39,6 +39,7 @@ from torch import Tensor
 
 from qkv.backends.blockwise import bias_tile, blockwise_attention
 from qkv.backends.fused import blockwise_trains_faster, fused_attention
+from qkv.backends.reference import compute_dtype
 from qkv.masks import EMPTY, FULL, StructuredMask, Tile
 from qkv.masks.rules import AnyOf, Causal, Dense, Documents, Padding, SlidingWindow
 from qkv.masks.tiles import query_offset
@@ -468,6 +469,7 @@ def reduced_attention(
         lead = (1,) * (4 - attn_bias.dim())
         bias4 = attn_bias.reshape(lead + tuple(attn_bias.shape))  # [B|1, H|1, T|1, S|1]
     outs = []
+    bands: dict[tuple[int, int, int], tuple[Tensor, bool] | None] = {}
     for g in reduction.groups:
         q, k, v = (_rows(x, g.batch, B) for x in (query, key, value))
         bias = None if bias4 is None else _rows(bias4, g.batch, B)
@@ -475,6 +477,27 @@ def reduced_attention(
         for p in g.pieces:
             if p.kind == "dead":
                 rows.append(query.new_zeros(len(g.batch), H, p.q1 - p.q0, Dv))  # [g, H, bq, Dv]
+                continue
+            band = None
+            if p.kind == "masked" and reduction.piece_mask is not None:
+                band = _band_bias(reduction.piece_mask, p, reduction.grid, query, bands)
+            if band is not None and band[1]:
+                # No row or key of this band piece is fully blocked: its mask goes to SDPA as
+                # the additive bias it would make of it, built once per distinct pattern.
+                b = bias_tile(bias, p.q0, p.q1, p.k0, p.k1)
+                rows.append(
+                    _piece_attention(
+                        q[:, :, p.q0 : p.q1],
+                        k[:, :, p.k0 : p.k1],
+                        v[:, :, p.k0 : p.k1],
+                        None,
+                        band[0] if b is None else b + band[0],
+                        False,
+                        scale,
+                        dropout_p,
+                        training,
+                    )  # [g, H, bq, Dv]
+                )
                 continue
             mask: Tensor | None = None
             if p.kind == "masked":
@@ -506,6 +529,37 @@ def reduced_attention(
     inverse = torch.empty(B, dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(B)
     return torch.cat(outs, dim=0).index_select(0, inverse.to(query.device))  # [B, H, T, Dv]
+
+
+def _band_bias(
+    rule: StructuredMask,
+    p: Piece,
+    grid: tuple[int, int, int, int],
+    like: Tensor,
+    seen: dict[tuple[int, int, int], tuple[Tensor, bool] | None],
+) -> tuple[Tensor, bool] | None:
+    """A band piece's mask as an additive ``0 / -inf`` bias, and whether no query row and no
+    key of the piece is fully blocked (then SDPA needs none of fused's dead-row handling).
+
+    ``rule`` is a band reduction's :attr:`Reduction.piece_mask`: sliding-window and causal
+    parts only, which block by ``q - k`` alone, so pieces of the same size at the same
+    diagonal offset share one mask; ``seen`` holds them for one call (a 4k band of 32 pieces
+    has 3 distinct ones). None when the tile is not a tensor (or under tracing, where reading
+    the mask's values to tell would break the graph).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    shape = (p.q0 - p.k0, p.q1 - p.q0, p.k1 - p.k0)
+    if shape not in seen:
+        tm = rule.tile(Tile(*grid, p.q0, p.q1, p.k0, p.k1, like.device))
+        if not isinstance(tm, Tensor):
+            seen[shape] = None
+        else:
+            work = compute_dtype(like.dtype)
+            add = torch.where(tm, float("-inf"), 0.0).to(work)  # [1, 1, bq, bk]
+            clean = not bool(tm.all(dim=-1).any() | tm.all(dim=-2).any())
+            seen[shape] = (add, clean)
+    return seen[shape]
 
 
 def _piece_attention(
