@@ -110,17 +110,19 @@ def test_auto_never_compiles_without_the_switch() -> None:
         assert not qkv.explain_backend(*args, mask=SlidingWindow(64)).startswith("flex")
     with flex.allow_compile():
         assert flex.compile_allowed()
-        assert qkv.explain_backend(*big, mask=SlidingWindow(64)).startswith("flex: ")
-        # reductions to plain SDPA calls still win, and small grids stay fused
+        wide = SlidingWindow(640)  # too wide a band for the band reduction
+        assert qkv.explain_backend(*big, mask=wide).startswith("flex: ")
+        # reductions to plain SDPA calls (the band too) still win, small grids stay fused
         assert qkv.explain_backend(*big, mask=Causal()).startswith("fused")
-        assert qkv.explain_backend(q, k, v, mask=SlidingWindow(64)).startswith("fused")
+        assert qkv.explain_backend(*big, mask=SlidingWindow(64)).startswith("fused")
+        assert qkv.explain_backend(q, k, v, mask=wide).startswith("fused")
         with flex.allow_compile(False):
-            assert not qkv.explain_backend(*big, mask=SlidingWindow(64)).startswith("flex")
+            assert not qkv.explain_backend(*big, mask=wide).startswith("flex")
         # what flex cannot run is not given to it
         grad = [t.clone().requires_grad_() for t in big]
-        assert qkv.explain_backend(*grad, mask=SlidingWindow(64)).startswith("blockwise")
+        assert qkv.explain_backend(*grad, mask=wide).startswith("blockwise")
         bias = torch.zeros(1, 1, 1024, 1024)
-        explained = qkv.explain_backend(*big, mask=SlidingWindow(64), attn_bias=bias)
+        explained = qkv.explain_backend(*big, mask=wide, attn_bias=bias)
         assert not explained.startswith("flex")
     assert flex.compile_allowed() is False
 

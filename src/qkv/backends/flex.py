@@ -1,8 +1,10 @@
 """The flex backend: PyTorch's compiled ``flex_attention`` running qkv's structured masks.
 
 ``torch.nn.attention.flex_attention`` skips fully masked blocks inside one compiled kernel, which
-makes it the fastest exact kernel for masks no plain SDPA call can express (a sliding window, a
-``mask_mod``). It needs ``torch.compile``, so qkv uses it only where asked:
+makes it the fastest exact kernel for masks no plain SDPA calls can express (a ``mask_mod``, a
+sliding window too wide for the band reduction; a narrow window's band of SDPA calls was
+measured faster, and ``auto`` takes that first). It needs ``torch.compile``, so qkv uses it
+only where asked:
 
 - ``backend="flex"`` asks for it by name, call by call;
 - :func:`allow_compile` (a context manager) or :func:`set_compile_allowed` lets ``auto`` choose
