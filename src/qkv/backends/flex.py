@@ -40,6 +40,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from qkv.backends.reference import compute_dtype, drop_blocked_keys
 from qkv.masks.rules import AnyOf, Dense, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 from qkv.masks.tiles import EMPTY, Tile, TileMask, query_offset
+from qkv.switches import Switch
 
 __all__ = [
     "BLOCK_MASK_CACHE_SIZE",
@@ -70,7 +71,8 @@ class FlexKernelsExhaustedError(RuntimeError):
 BLOCK_MASK_CACHE_SIZE = 16
 """Block masks kept (least recently used dropped): one per (rule, shape, device)."""
 
-_state = {"allowed": False, "exhausted": False}
+_COMPILE = Switch("allowed")
+_state = {"exhausted": False}
 _compiled: list[Callable[..., Any]] = []
 _compile_seconds: dict[tuple[object, ...], float] = {}
 _block_masks: OrderedDict[tuple[object, ...], tuple[StructuredMask, BlockMask]] = OrderedDict()
@@ -87,14 +89,12 @@ def set_compile_allowed(allowed: bool) -> None:
     Raises:
         TypeError: ``allowed`` is not a bool.
     """
-    if not isinstance(allowed, bool):
-        raise TypeError(f"allowed must be a bool, got {allowed!r}")
-    _state["allowed"] = allowed
+    _COMPILE.set(allowed)
 
 
 def compile_allowed() -> bool:
     """Whether ``auto`` may use the compiled flex backend now (see :func:`allow_compile`)."""
-    return _state["allowed"]
+    return _COMPILE.on
 
 
 @contextmanager
@@ -110,12 +110,8 @@ def allow_compile(allowed: bool = True) -> Iterator[None]:
     Raises:
         TypeError: ``allowed`` is not a bool.
     """
-    before = _state["allowed"]
-    set_compile_allowed(allowed)
-    try:
+    with _COMPILE.scoped(allowed):
         yield
-    finally:
-        _state["allowed"] = before
 
 
 def compile_seconds() -> dict[tuple[object, ...], float]:
