@@ -6,6 +6,7 @@ Public API::
     qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # fused / blockwise too
     qkv.explain_backend(q, k, v, mask=...)                    # which backend, and why
     with qkv.allow_compile(): ...                             # auto may use compiled flex
+    with qkv.allow_sdpa_backward(): ...                       # faster, less exact CPU grads
     qkv.scaled_dot_product_attention(q, k, v, blocked_mask)  # tutorial form: (output, weights)
     qkv.masks                                                 # rules, builders, converters
     qkv.MultiHeadAttention                                    # nn.MultiheadAttention-compatible
@@ -25,6 +26,7 @@ from types import ModuleType
 
 from qkv import masks
 from qkv.backends.flex import allow_compile
+from qkv.backends.fused import allow_sdpa_backward
 from qkv.functional import (
     BACKENDS,
     Backend,
@@ -61,6 +63,7 @@ __all__ = [
     "TransformerConfig",
     "__version__",
     "allow_compile",
+    "allow_sdpa_backward",
     "attention",
     "explain_backend",
     "masks",

@@ -1,6 +1,6 @@
 """The benchmark table runs end to end (tiny sizes; speed is measured only in benchmarks/)."""
 
-from qkv.apps.bench import CASES, format_table, run_benchmarks
+from qkv.apps.bench import CASES, SDPA_BACKWARD, format_table, run_benchmarks
 from qkv.apps.cli import build_parser
 
 
@@ -17,6 +17,9 @@ def test_table_has_every_case_side_by_side() -> None:
     assert len([n for n in notes if " at L=" in n]) == len(CASES)
     assert "one SDPA call per document" in table
     assert "lower bound" in table  # CPU peak memory is labelled as what it is
+    # the price of exact CPU gradients is measured too: fwd+bwd rows only
+    modes = {r.mode for r in rows if r.contestant == SDPA_BACKWARD}
+    assert modes == {"fwd+bwd"}
     # "4 documents | Causal" is escaped: every row has the header's 10 cells
     cells = [
         len(line.replace("\\|", "").split("|")) - 2

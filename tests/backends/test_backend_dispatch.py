@@ -180,6 +180,41 @@ def test_small_cpu_training_calls_take_blockwise_not_the_recomputing_backward() 
     assert qkv.explain_backend(q, k, v, dropout_p=0.1, training=True).startswith("fused:")
 
 
+def test_allow_sdpa_backward_trains_through_sdpa_itself() -> None:
+    """Inside the opt-in, small CPU training calls (whole, or a reduction's pieces) keep SDPA's
+    own backward: output and gradients equal to plain SDPA's, bit for bit; after the block,
+    the exact default is back."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))
+    d_out = torch.randn(2, 4, 128, 32)
+    with qkv.allow_sdpa_backward():
+        why = qkv.explain_backend(q, k, v, is_causal=True)
+        assert why.startswith("fused:") and "SDPA's own CPU backward" in why
+        out, _ = qkv.attention(q, k, v, is_causal=True)
+        ids = torch.arange(128).div(64, rounding_mode="floor").expand(2, 128)  # 2 documents
+        pieces, _ = qkv.attention(q, k, v, mask=Documents(ids, ids))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, want)
+    for got, exp in zip(
+        torch.autograd.grad(out, (q, k, v), d_out),
+        torch.autograd.grad(want, (q, k, v), d_out),
+        strict=True,
+    ):
+        assert torch.equal(got, exp)
+    halves = [
+        torch.nn.functional.scaled_dot_product_attention(*(x[:, :, s] for x in (q, k, v)))
+        for s in (slice(0, 64), slice(64, 128))
+    ]
+    want_docs = torch.cat(halves, dim=2)  # [2, 4, 128, 32]
+    for got, exp in zip(
+        torch.autograd.grad(pieces, (q, k, v), d_out),
+        torch.autograd.grad(want_docs, (q, k, v), d_out),
+        strict=True,
+    ):
+        assert torch.equal(got, exp)
+    assert qkv.explain_backend(q, k, v, is_causal=True).startswith("blockwise:")
+
+
 def test_reduction_pieces_train_on_blockwise_and_match_the_float64_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -16,7 +16,9 @@ or ``torch.cuda.max_memory_allocated`` on a GPU.
 With ``--compile``, compiled ``flex_attention`` joins the peers of every structured mask (its
 block mask built once, outside the timing, and its compile time in the notes; on CPU forward
 only, as torch 2.13 has no flex backward there), and qkv ``auto`` under
-:func:`~qkv.backends.flex.allow_compile` joins the contestants.
+:func:`~qkv.backends.flex.allow_compile` joins the contestants. On CPU, forward+backward rows
+also time qkv ``auto`` inside :func:`~qkv.backends.fused.allow_sdpa_backward` (SDPA's own,
+less exact backward instead of qkv's exact one), so the price of exact gradients is in the table.
 
 Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes,
 ``--cases``, ``--lengths``, ``--compile``); both parse their options in :mod:`qkv.apps.cli`.
@@ -35,10 +37,14 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from qkv.backends.flex import FLEX_MAX_KERNELS, allow_compile
+from qkv.backends.fused import allow_sdpa_backward
 from qkv.functional import attention, explain_backend
 from qkv.masks import Causal, Documents, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
 
 __all__ = ["CASES", "Row", "format_table", "matmul_gflops", "peak_memory_mb", "run_benchmarks"]
+
+SDPA_BACKWARD = "qkv auto (SDPA backward allowed)"
+"""The contestant of CPU fwd+bwd rows that trades qkv's exact gradients for SDPA's backward."""
 
 H, DH = 8, 64
 LENGTHS = (1024, 4096, 8192, 16384)
@@ -93,6 +99,11 @@ class _Case:
     def qkv_compiling(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """qkv ``auto`` on this case, with compilation allowed (the flex backend)."""
         with allow_compile():
+            return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
+
+    def qkv_sdpa_backward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """qkv ``auto`` on this case inside :func:`~qkv.backends.fused.allow_sdpa_backward`."""
+        with allow_sdpa_backward():
             return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
 
 
@@ -321,7 +332,10 @@ def _bench_case(
             for n, f in peers.items()
             if not (backward and n == FLEX_PEER and device.type == "cpu")
         }
-        names, calls = [*these, *ours], [*these.values(), *ours.values()]
+        contestants = dict(ours)
+        if backward and device.type == "cpu":
+            contestants[SDPA_BACKWARD] = c.qkv_sdpa_backward
+        names, calls = [*these, *contestants], [*these.values(), *contestants.values()]
         fns = [_step(fn, (q, k, v), backward) for fn in calls]
         times = _interleaved(fns, repeats, device)
         peaks: list[float | None] = [None] * len(fns)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from qkv.backends.blockwise import TilePlan, plan_tiles, resolve_blocks
 from qkv.backends.flex import compile_allowed, compile_seconds
-from qkv.backends.fused import uses_sdpa_is_causal
+from qkv.backends.fused import sdpa_backward_allowed, uses_sdpa_is_causal
 from qkv.backends.reductions import Reduction, reduce_mask
 from qkv.backends.reference import compute_dtype
 from qkv.masks import StructuredMask
@@ -199,6 +199,11 @@ def choose_backend(
     S = key.shape[2]
     structured = isinstance(mask, StructuredMask)
     notes = _fused_notes(query.dtype, mask is not None, structured, is_causal, T, S)
+    if needs_grad and query.device.type == "cpu" and sdpa_backward_allowed():
+        notes += (
+            "; the gradient comes from SDPA's own CPU backward "
+            "(qkv.allow_sdpa_backward: faster, less exact)"
+        )
     if requested in ("fused", "blockwise", "flex") and need_weights:
         raise ValueError(
             f"backend={requested!r} cannot return weights (need_weights=True); "

@@ -21,7 +21,8 @@ at the edge and patches the two places where results would differ:
   in its backward (O(T · S) memory there, as the reference backend). Under torch.compile /
   export, with dropout, on other devices, or when the recomputed ``[B, H, T, S]`` scores would
   exceed :data:`EXACT_BACKWARD_MAX_BYTES` (long sequences, where SDPA's O(T) memory matters
-  more), SDPA's own backward is kept.
+  more), SDPA's own backward is kept. Inside :func:`allow_sdpa_backward` (the user's opt-in),
+  SDPA's own backward is kept on CPU too: faster, less exact.
 
 Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated by
 :mod:`qkv.attention`.
@@ -29,6 +30,8 @@ Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,15 +40,61 @@ from torch import Tensor
 
 from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
 from qkv.masks import causal_mask
+from qkv.switches import Switch
 
 __all__ = [
     "EXACT_GRAD_BLOCKWISE_MIN_PAIRS",
+    "allow_sdpa_backward",
     "blockwise_trains_faster",
     "exact_backward_possible",
     "exact_backward_size_ok",
     "fused_attention",
+    "sdpa_backward_allowed",
+    "set_sdpa_backward_allowed",
     "uses_sdpa_is_causal",
 ]
+
+_SDPA_BACKWARD = Switch("allowed")
+
+
+def set_sdpa_backward_allowed(allowed: bool) -> None:
+    """Let CPU calls that need a gradient train through SDPA's own backward (process-wide).
+
+    Args:
+        allowed: True to allow it, False (the default state) for qkv's exact gradients.
+
+    Raises:
+        TypeError: ``allowed`` is not a bool.
+    """
+    _SDPA_BACKWARD.set(allowed)
+
+
+def sdpa_backward_allowed() -> bool:
+    """Whether CPU calls may train through SDPA's own backward now (:func:`allow_sdpa_backward`)."""
+    return _SDPA_BACKWARD.on
+
+
+@contextmanager
+def allow_sdpa_backward(allowed: bool = True) -> Iterator[None]:
+    """Within the block, calls that need a gradient on CPU keep SDPA's own backward.
+
+    By default qkv's CPU gradients are exact (within 2x a naive float32 formula's error): where
+    SDPA's CPU backward would run, the call takes blockwise's exact tiled backward, or fused's
+    recomputing one. SDPA's backward is faster at short lengths (fwd+bwd at L=1024 measured
+    1.3-1.4x faster than through blockwise) but less exact: its dv error measured up to 15x,
+    and its dq / dk error up to 2.5x, a naive float32 formula's
+    (``benchmarks/float32_error.py``). The choice is made when the forward runs, so the block
+    must hold the forward, not only ``backward()``.
+
+    Args:
+        allowed: the state inside the block (False restores exact gradients inside an outer
+            ``allow_sdpa_backward``).
+
+    Raises:
+        TypeError: ``allowed`` is not a bool.
+    """
+    with _SDPA_BACKWARD.scoped(allowed):
+        yield
 
 
 def _python_bool(x: object) -> bool:
@@ -105,9 +154,11 @@ def exact_backward_size_ok(B: int, H: int, T: int, S: int, element_size: int) ->
 
 def exact_backward_possible(device: torch.device, dropout_p: float, training: bool) -> bool:
     """Whether a call that needs a gradient takes :class:`_ExactBackward` when small enough:
-    on CPU, eagerly, without active dropout (the dispatcher asks this too)."""
+    on CPU, eagerly, without active dropout, outside :func:`allow_sdpa_backward` (the
+    dispatcher asks this too)."""
     return (
-        (dropout_p == 0.0 or not training)
+        not _SDPA_BACKWARD.on
+        and (dropout_p == 0.0 or not training)
         and device.type == "cpu"
         and not torch.compiler.is_compiling()
     )
