@@ -230,7 +230,8 @@ def test_reduction_pieces_train_on_blockwise_and_match_the_float64_reference(
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 192, 32, dtype=torch.float64) for _ in range(3))
     ids = torch.arange(192).div(96, rounding_mode="floor").expand(2, 192)  # [2, 192]: 2 docs
-    for mask in (Documents(ids, ids) | Causal(), Padding(torch.tensor([192, 150]))):
+    lengths = torch.tensor([192, 150])
+    for mask in (Documents(ids, ids) | Causal(), Padding(lengths), Causal() | Padding(lengths)):
         calls.clear()
         _check_training_against_float64(q, k, v, "fused:", mask=mask)
         assert calls, "the pieces should have run on blockwise"

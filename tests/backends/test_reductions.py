@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv.backends import reductions
-from qkv.backends.reductions import reduce_mask, reduced_attention
+from qkv.backends.reductions import Piece, reduce_mask, reduced_attention
 from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 
 TOL64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -89,6 +89,13 @@ def test_causal_with_padding_groups_samples_by_length() -> None:
     lengths = torch.tensor([9, 3, 9, 0])
     why = _check(_inputs(4, 2, 1, 9, 9), mask=Causal() | Padding(lengths))
     assert "is_causal kernel" in why and "grouped by length (3 groups)" in why
+    # One is_causal call per live length: the rows past a sample's last live key (which see
+    # every live key) stay in that call, as SDPA's top-left flag has them (the empty sample: 0).
+    assert "2 SDPA call(s)" in why
+    red = reduce_mask(Causal() | Padding(lengths), 4, 2, 9, 9)
+    assert red is not None
+    tall = [p for g in red.groups for p in g.pieces if p.kind == "causal" and p.k1 == 3]
+    assert tall == [Piece(0, 9, 0, 3, "causal")] and tall[0].pairs == 6 + 6 * 3
 
 
 def test_documents_one_call_each_and_causal_inside() -> None:

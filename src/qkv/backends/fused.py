@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
-from qkv.masks import causal_mask
+from qkv.masks import Align, causal_mask
 from qkv.switches import Switch
 
 __all__ = [
@@ -105,12 +105,22 @@ def _python_bool(x: object) -> bool:
     return False
 
 
-def uses_sdpa_is_causal(T: int, S: int, mask: object, attn_bias: object, is_causal: bool) -> bool:
-    """True when qkv's bottom-right ``is_causal`` can be handed to SDPA's top-left flag.
+def uses_sdpa_is_causal(
+    T: int,
+    S: int,
+    mask: object,
+    attn_bias: object,
+    is_causal: bool,
+    align: Align = "bottom_right",
+) -> bool:
+    """True when a causal call (qkv's default bottom-right alignment, or ``align``) can be
+    handed to SDPA's flag, which is top-left: for any lengths when top-left is asked for, for
+    bottom-right only when ``T == S`` (the two then agree).
 
     Always a Python bool, also when ``T == S`` is a ``SymBool`` (see :func:`_python_bool`).
     """
-    return _python_bool(is_causal and mask is None and attn_bias is None and T == S)
+    aligned = align == "top_left" or T == S
+    return _python_bool(is_causal and mask is None and attn_bias is None and aligned)
 
 
 EXACT_BACKWARD_MAX_BYTES = 256 * 2**20
@@ -175,6 +185,7 @@ def fused_attention(
     scale: float,
     dropout_p: float,
     training: bool,
+    causal_align: Align = "bottom_right",
 ) -> Tensor:
     """Attention through SDPA; see :func:`qkv.attention` for the contract.
 
@@ -184,10 +195,13 @@ def fused_attention(
         value: ``[B, Hkv, S, Dv]``.
         mask: bool broadcastable to ``[B, H, T, S]``, True = blocked, or None.
         attn_bias: float broadcastable to ``[B, H, T, S]``, or None.
-        is_causal: also block future keys, bottom-right aligned.
+        is_causal: also block future keys, aligned as ``causal_align`` says.
         scale: multiplies the scores.
         dropout_p: dropout on the weights (only when ``training``).
         training: apply dropout.
+        causal_align: ``"bottom_right"`` (qkv's default: the last query sees every key) or
+            ``"top_left"`` (query ``i`` sees keys ``0..i``: SDPA's own flag, for any lengths;
+            the reductions' causal pieces use it).
 
     Returns:
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
@@ -200,15 +214,17 @@ def fused_attention(
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
     )
     if exact:
-        out = _ExactBackward.apply(query, key, value, attn_bias, mask, is_causal, scale)
+        out = _ExactBackward.apply(
+            query, key, value, attn_bias, mask, is_causal, scale, causal_align
+        )
         assert isinstance(out, Tensor)
         return out
     out_dtype = query.dtype
     work = compute_dtype(out_dtype)
     S = key.shape[2]
-    sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal)
+    sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal, causal_align)
     if is_causal and not sdpa_causal:
-        mask = _with_causal(mask, T, S, query.device)  # [B|1, H|1, T, S]
+        mask = _with_causal(mask, T, S, query.device, causal_align)  # [B|1, H|1, T, S]
     dead: Tensor | None = None
     k, v = drop_blocked_keys(key, value, mask)  # [B, Hkv, S, Dh|Dv]
     if mask is not None:
@@ -252,9 +268,10 @@ class _ExactBackward(torch.autograd.Function):
         mask: Tensor | None,
         is_causal: bool,
         scale: float,
+        causal_align: Align,
     ) -> Tensor:
         ctx.save_for_backward(query, key, value, attn_bias, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.is_causal, ctx.scale, ctx.align = is_causal, scale, causal_align
         # grad mode is off inside Function.forward, so this call runs SDPA, not _ExactBackward
         return fused_attention(
             query,
@@ -266,6 +283,7 @@ class _ExactBackward(torch.autograd.Function):
             scale=scale,
             dropout_p=0.0,
             training=False,
+            causal_align=causal_align,
         )  # [B, H, T, Dv]
 
     @staticmethod
@@ -283,15 +301,15 @@ class _ExactBackward(torch.autograd.Function):
         )
         assert q is not None and k is not None and v is not None
         if ctx.is_causal:
-            mask = _with_causal(mask, query.shape[2], key.shape[2], query.device)
+            mask = _with_causal(mask, query.shape[2], key.shape[2], query.device, ctx.align)
         with torch.enable_grad():
             out, _ = reference_attention(q, k, v, mask, b, ctx.scale, 0.0, False)  # [B, H, T, Dv]
             wanted = [x for x in leaves if x is not None]
             grads = iter(torch.autograd.grad(out, wanted, d_out))
-        return (*(None if x is None else next(grads) for x in leaves), None, None, None)
+        return (*(None if x is None else next(grads) for x in leaves), None, None, None, None)
 
 
-def _with_causal(mask: Tensor | None, T: int, S: int, device: torch.device) -> Tensor:
-    """``mask`` OR the bottom-right causal mask, for when SDPA's own is_causal cannot serve."""
-    causal = causal_mask(T, S, align="bottom_right", device=device)  # [1, 1, T, S]
+def _with_causal(mask: Tensor | None, T: int, S: int, device: torch.device, align: Align) -> Tensor:
+    """``mask`` OR the causal mask aligned as ``align``, for when SDPA's own flag cannot serve."""
+    causal = causal_mask(T, S, align=align, device=device)  # [1, 1, T, S]
     return causal if mask is None else mask | causal  # [B|1, H|1, T, S]

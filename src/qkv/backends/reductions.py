@@ -6,7 +6,8 @@ A mask made of :class:`~qkv.masks.Causal`, :class:`~qkv.masks.Padding` and
 region is a call SDPA already runs at full speed, with no mask tensor at all:
 
 - ``Causal`` whose queries start at key 0 (top-left, or bottom-right with ``T == S``): SDPA's own
-  ``is_causal`` kernel, which skips the upper triangle;
+  ``is_causal`` kernel, which skips the upper triangle; rows past the last key (a causal call
+  whose padded keys were cut) stay in that one call, as SDPA's top-left flag has them;
 - ``Padding``: keys past the longest live length are dropped (every query blocks them), so SDPA
   runs on the truncated keys; samples of different lengths keep a ``[B, 1, 1, S']`` mask, or,
   combined with a causal part, are grouped by length;
@@ -81,9 +82,10 @@ class Piece:
         q1: one past the last.
         k0: first key.
         k1: one past the last key; every key the rows may see lies in ``[k0, k1)``.
-        kind: ``"open"`` (no key in the range blocked), ``"causal"`` (a square, causal range:
-            SDPA's ``is_causal``), ``"masked"`` (the rule's own mask of this range), ``"dead"``
-            (no key at all: output 0).
+        kind: ``"open"`` (no key in the range blocked), ``"causal"`` (top-left causal: local
+            query ``i`` sees local keys ``0..i``, so rows past the last key see them all; SDPA's
+            own ``is_causal`` flag, one call whatever the lengths), ``"masked"`` (the rule's own
+            mask of this range), ``"dead"`` (no key at all: output 0).
     """
 
     q0: int
@@ -94,11 +96,13 @@ class Piece:
 
     @property
     def pairs(self) -> int:
-        """Query-key pairs computed: 0 for dead rows, the lower triangle of a causal square."""
-        n = self.q1 - self.q0
+        """Query-key pairs computed: 0 for dead rows; for a causal piece the lower triangle of
+        its square and every key for the rows below it."""
+        n, nk = self.q1 - self.q0, self.k1 - self.k0
         if self.kind == "causal":
-            return n * (n + 1) // 2
-        return 0 if self.kind == "dead" else n * (self.k1 - self.k0)
+            square = min(n, nk)
+            return square * (square + 1) // 2 + (n - square) * nk
+        return 0 if self.kind == "dead" else n * nk
 
 
 @dataclass(frozen=True)
@@ -164,9 +168,8 @@ def _causal_pieces(q0: int, q1: int, k0: int, k1: int, offset: int | None) -> li
     if offset < 0:  # the first -offset rows see no key; the rest are causal from key k0
         r = min(-offset, nq)
         return [Piece(q0, q0 + r, k0, k0, "dead"), *_causal_pieces(q0 + r, q1, k0, k1, 0)]
-    if offset == 0:  # top-left: rows past nk see every key; the square above is SDPA's is_causal
-        n = min(nq, nk)
-        return [Piece(q0, q0 + n, k0, k0 + n, "causal"), *_causal_pieces(q0 + n, q1, k0, k1, None)]
+    if offset == 0:  # top-left, SDPA's own flag: rows past nk see every key, keys past nq none
+        return [Piece(q0, q1, k0, k0 + min(nq, nk), "causal")]
     # 0 < offset < nk - 1: the first r rows have a causal edge off the diagonal.
     r = min(nq, nk - 1 - offset)
     edge = Piece(q0, q0 + r, k0, k0 + min(nk, r + offset), "masked")
@@ -576,7 +579,8 @@ def _piece_attention(
     training: bool,
 ) -> Tensor:
     """One piece: SDPA, or blockwise where fused would train it through its slower exact
-    backward (:func:`~qkv.backends.fused.blockwise_trains_faster`)."""
+    backward (:func:`~qkv.backends.fused.blockwise_trains_faster`). ``causal`` is top-left
+    (a ``"causal"`` piece)."""
     if not blockwise_trains_faster(q, k, v, bias, dropout_p, training):
         return fused_attention(
             q,
@@ -588,8 +592,9 @@ def _piece_attention(
             scale=scale,
             dropout_p=dropout_p,
             training=training,
+            causal_align="top_left",
         )  # [g, H, bq, Dv]
-    rule: StructuredMask | None = Causal() if causal else None
+    rule: StructuredMask | None = Causal(align="top_left") if causal else None
     if mask is not None:
         rule = Dense(mask) if rule is None else rule | Dense(mask)
     return blockwise_attention(q, k, v, rule, bias, scale, dropout_p, training)  # [g, H, bq, Dv]
