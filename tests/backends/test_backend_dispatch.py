@@ -192,6 +192,8 @@ def test_allow_sdpa_backward_trains_through_sdpa_itself() -> None:
         assert why.startswith("fused:") and "SDPA's own CPU backward" in why
         out, _ = qkv.attention(q, k, v, is_causal=True)
         ids = torch.arange(128).div(64, rounding_mode="floor").expand(2, 128)  # 2 documents
+        why = qkv.explain_backend(q, k, v, mask=Documents(ids, ids))
+        assert "one SDPA call per document" in why and "SDPA's own CPU backward" in why
         pieces, _ = qkv.attention(q, k, v, mask=Documents(ids, ids))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(out, want)

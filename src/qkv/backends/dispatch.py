@@ -199,11 +199,14 @@ def choose_backend(
     S = key.shape[2]
     structured = isinstance(mask, StructuredMask)
     notes = _fused_notes(query.dtype, mask is not None, structured, is_causal, T, S)
-    if needs_grad and query.device.type == "cpu" and sdpa_backward_allowed():
-        notes += (
-            "; the gradient comes from SDPA's own CPU backward "
-            "(qkv.allow_sdpa_backward: faster, less exact)"
-        )
+    grad_note = (
+        "the gradient comes from SDPA's own CPU backward (qkv.allow_sdpa_backward: faster, "
+        "less exact)"
+        if needs_grad and query.device.type == "cpu" and sdpa_backward_allowed()
+        else ""
+    )
+    if grad_note:
+        notes += f"; {grad_note}"
     if requested in ("fused", "blockwise", "flex") and need_weights:
         raise ValueError(
             f"backend={requested!r} cannot return weights (need_weights=True); "
@@ -240,7 +243,7 @@ def choose_backend(
         asked = "backend='fused' was requested; " if requested == "fused" else ""
         upcast = _upcast_note(query.dtype)
         read = "the [B, 1, 1, S] mask tensor is key padding: " if isinstance(mask, Tensor) else ""
-        tail = f"; {upcast}" if upcast else ""
+        tail = "".join(f"; {note}" for note in (upcast, grad_note) if note)
         return BackendChoice("fused", lambda: f"{asked}{read}{red.summary}{tail}", reduction=red)
     if requested == "fused":
         return BackendChoice("fused", f"backend='fused' was requested; {notes}")
