@@ -126,6 +126,12 @@ def test_bias_is_cut_with_the_pieces() -> None:
         torch.testing.assert_close(g, w, **TOL64)
 
 
+def test_document_runs_are_read_in_one_pass() -> None:
+    runs = reductions._runs(torch.tensor([4, 4, 7, 7, 7, 2]))
+    assert runs == [(4, 0, 2), (7, 2, 5), (2, 5, 6)]
+    assert reductions._runs(torch.tensor([], dtype=torch.long)) == []
+
+
 def test_not_reducible_parts_and_unsorted_documents_are_left_alone() -> None:
     assert reduce_mask(SlidingWindow(3), 1, 1, 8, 8) is None
     assert reduce_mask(MaskMod(lambda b, h, q, k: q >= k), 1, 1, 8, 8) is None

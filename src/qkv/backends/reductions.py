@@ -201,7 +201,7 @@ def _runs(ids: Tensor) -> list[tuple[int, int, int]]:
     values, counts = torch.unique_consecutive(ids, return_counts=True)  # [R], [R]
     ends = counts.cumsum(0)  # [R]
     vals, stops = torch.stack([values.long(), ends]).tolist()
-    starts = [0, *stops[:-1]]
+    starts = [0, *stops][: len(stops)]  # no run at all for empty ids
     return list(zip(vals, starts, stops, strict=True))
 
 
