@@ -10,14 +10,11 @@ ratio explode). The long run is ``python benchmarks/float32_error.py --cases N``
 """
 
 import importlib.util
-from functools import partial
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-import qkv
 
 CASES = 24
 BOUND = 2.0
@@ -68,34 +65,13 @@ def test_the_measure_sees_a_less_exact_formula(measured: tuple) -> None:
     assert bad[0] / (naive[0] + ulp) > 10 * BOUND
 
 
-def _sdpa_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """fused inside :func:`qkv.allow_sdpa_backward`: SDPA's forward and SDPA's own backward."""
-    with qkv.allow_sdpa_backward():
-        return qkv.attention(q, k, v, mask=mask, scale=scale, backend="fused")[0]
-
-
 def test_sdpa_backward_is_why_exact_gradients_are_the_default(measured: tuple) -> None:
     """What :func:`qkv.allow_sdpa_backward` trades away: on the same seeded cases, SDPA's own
     CPU backward (torch 2.13) is above the bound qkv's default gradients meet (its dv error
     measured up to 15x a naive formula's). Should torch make it exact, this fails, and the
     default can be revisited."""
     script, ratios = measured
-    gen = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for _ in range(CASES):
-        qkv64, mask, scale = script._case(gen)
-        leaves = [x.detach().requires_grad_() for x in qkv64]
-        ref = script._naive(*leaves, mask, scale)
-        d_out = torch.linspace(-1, 1, ref.numel(), dtype=ref.dtype).reshape(ref.shape)
-        want = [ref.detach(), *torch.autograd.grad(ref, leaves, d_out)]
-        scales = script._abs_scales(*qkv64, mask, scale, d_out)
-        ulps = [script.EPS * max(x, script.TINY) for x in scales]
-        naive = script._errors(partial(script._naive, mask=mask, scale=scale), qkv64, want)
-        got = script._errors(partial(_sdpa_backward, mask=mask, scale=scale), qkv64, want)
-        worst = max(worst, *(e / (e0 + u) for e, e0, u in zip(got, naive, ulps, strict=True)))
-    assert worst > BOUND, worst
+    assert script.worst(ratios, script.SDPA_BACKWARD) > BOUND, script.summary(ratios)
     assert script.worst(ratios, "fused") <= BOUND  # the same cases, exact gradients
 
 

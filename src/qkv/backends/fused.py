@@ -82,8 +82,8 @@ def allow_sdpa_backward(allowed: bool = True) -> Iterator[None]:
     SDPA's CPU backward would run, the call takes blockwise's exact tiled backward, or fused's
     recomputing one. SDPA's backward is faster at short lengths (fwd+bwd at L=1024 measured
     1.3-1.4x faster than through blockwise) but less exact: its dv error measured up to 15x,
-    and its dq / dk error up to 2.5x, a naive float32 formula's
-    (``benchmarks/float32_error.py``). The choice is made when the forward runs, so the block
+    and its dq / dk error up to 4.4x, a naive float32 formula's (``benchmarks/float32_error.py``,
+    300 cases, its ``sdpa-backward`` line). The choice is made when the forward runs, so the block
     must hold the forward, not only ``backward()``.
 
     Args:
