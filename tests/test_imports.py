@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("qkv.models",),
     ("qkv.convert",),
     ("qkv.integrations",),
+    ("qkv.doctor",),
     ("qkv.train",),
     ("qkv.apps",),
     ("qkv.structured_masks", "qkv.embed", "qkv.__main__"),

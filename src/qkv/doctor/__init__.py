@@ -1,0 +1,11 @@
+"""The attention doctor: find silent attention bugs in other people's models.
+
+``qkv.doctor.watch`` inspects every attention call a model makes at run time (PyTorch SDPA,
+``nn.MultiheadAttention``, flex attention, ``qkv.attention`` and every ``transformers`` attention
+implementation) and reports findings; ``qkv.doctor.examine`` checks a model's invariances
+(batch, padding, causality, cache, implementation equivalence) by metamorphic probes.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
