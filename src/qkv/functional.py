@@ -22,6 +22,7 @@ from typing import Any, Literal, ParamSpec, cast
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
 
 from qkv.backends.blockwise import blockwise_attention
 from qkv.backends.dispatch import BackendChoice, choose_backend
@@ -420,6 +421,30 @@ def attention(
             checked like a tensor mask, never cropped), ``need_weights`` with the fused or
             blockwise backend.
     """
+    if has_torch_function((query, key, value)):
+        # a TorchFunctionMode (qkv.doctor.watch) or a tensor subclass sees this call, as it
+        # sees F.scaled_dot_product_attention; without one this is one C-level check
+        return cast(
+            tuple[Tensor, Tensor | None],
+            handle_torch_function(
+                attention,
+                (query, key, value),
+                query,
+                key,
+                value,
+                mask=mask,
+                attn_bias=attn_bias,
+                is_causal=is_causal,
+                scale=scale,
+                need_weights=need_weights,
+                dropout_p=dropout_p,
+                training=training,
+                backend=backend,
+                block_q=block_q,
+                block_k=block_k,
+                bias=bias,
+            ),
+        )
     # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
     # parameters above are the one list of them (explain_backend binds the same names).
     return _run(_resolve(locals()))

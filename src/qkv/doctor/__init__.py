@@ -8,4 +8,8 @@ implementation) and reports findings; ``qkv.doctor.examine`` checks a model's in
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from qkv.doctor.findings import KINDS, Finding, KindDoc
+from qkv.doctor.report import Captured, Report
+from qkv.doctor.watch import watch
+
+__all__ = ["KINDS", "Captured", "Finding", "KindDoc", "Report", "watch"]

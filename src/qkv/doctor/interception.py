@@ -1,0 +1,393 @@
+"""How the doctor sees attention calls in any model, and leaves nothing behind.
+
+Three mechanisms, each installed only while a watch is active and each a no-op on a thread with
+no watch:
+
+* a :class:`~torch.overrides.TorchFunctionMode` per watch (PyTorch's own interception, per
+  thread) sees ``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``,
+  :func:`qkv.attention` and flex attention's operator. A mode is popped while the function it
+  intercepted runs, so it sees the outermost attention call only, never the kernels inside;
+* global module hooks keep the stack of modules being run (for module paths), read the model's
+  padding from its forward's ``attention_mask`` keyword, and run ``nn.MultiheadAttention`` and
+  the ``nn.TransformerEncoder*`` layers with the watch's modes set aside, so that PyTorch's
+  inference fast path (which any active mode disables) runs as it would unwatched: outputs stay
+  bit-identical. Their calls are read from the module's arguments instead;
+* ``transformers``' ``AttentionInterface.get_interface`` returns a wrapped function while a
+  watch is active, so every implementation (``eager``, ``sdpa``, ``flex_attention``, ``qkv``,
+  functions registered by users) is seen with its module. A kernel call made inside it (SDPA in
+  ``sdpa``, ``qkv.attention`` in ``qkv``) is judged as what was really computed; a function that
+  calls no kernel (``eager``) is judged from its own arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from qkv.doctor.calls import (
+    AttentionCall,
+    from_flex,
+    from_hf_function,
+    from_mha,
+    from_qkv,
+    from_sdpa,
+)
+from qkv.functional import attention as qkv_attention
+
+if TYPE_CHECKING:
+    from qkv.doctor.watch import Watch
+
+__all__ = ["WatchMode", "active_watches", "install", "uninstall"]
+
+from torch._higher_order_ops.flex_attention import flex_attention as _FLEX_HOP
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_MODULE_MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+_SUSPENDING = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+_QKV_DIR = os.path.dirname(os.path.dirname(__file__))
+_SKIP_DIRS = (
+    os.path.dirname(torch.__file__),
+    os.path.dirname(__file__),  # the doctor
+    os.path.join(_QKV_DIR, "functional.py"),  # qkv.attention's own dispatch
+    os.path.join(_QKV_DIR, "integrations"),
+)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.watches: list[Watch] = []
+        self.modules: list[nn.Module] = []
+        self.frames: list[_Frame] = []
+        self.suspended: list[list[TorchFunctionMode]] = []
+        self.mha_seen: dict[int, int] = {}
+        self.layer_marks: list[int] = []
+
+
+_local = _Local()
+_lock = threading.Lock()
+_installed = 0
+_handles: list[RemovableHandle] = []
+_hf_original: list[tuple[Any, Callable[..., Any]]] = []
+
+
+@dataclass
+class _Frame:
+    """A ``transformers`` attention function being run: kernel calls inside are its."""
+
+    module: nn.Module
+    implementation: str
+    kernel_seen: bool = False
+
+
+def active_watches() -> list[Watch]:
+    """The watches active on this thread, outermost first."""
+    return _local.watches
+
+
+def call_site() -> str:
+    """``file:line`` of the code that made the attention call (torch and the doctor skipped)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def current_module() -> nn.Module | None:
+    """The module whose attention this call is: an open ``transformers`` frame's, else the
+    innermost module being run."""
+    if _local.frames:
+        return _local.frames[-1].module
+    return _local.modules[-1] if _local.modules else None
+
+
+# ---------------------------------------------------------------- the torch function mode
+
+
+def _read_sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
+    return from_sdpa(args, kwargs, out)
+
+
+def _read_mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+    return from_mha((), bound, out, api="F.multi_head_attention_forward", batch_first=False)
+
+
+def _read_qkv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
+    return from_qkv(args, kwargs, out)
+
+
+def _read_flex_hop(args: tuple[Any, ...], out: Any) -> AttentionCall:
+    q, k, v, score_mod, block_tuple, scale = args[:6]
+    mask_mod = block_tuple[-1] if isinstance(block_tuple, tuple) and block_tuple else None
+    has_score = score_mod is not None and getattr(score_mod, "__name__", "") != "_identity"
+    output = out[0] if isinstance(out, tuple) else out
+    return from_flex(q, k, v, output, scale, mask_mod, has_score)
+
+
+def _flex_reader(args: tuple[Any, ...], out: Any) -> Callable[[], AttentionCall]:
+    return lambda: _read_flex_hop(args, out)
+
+
+_READERS: dict[Any, Callable[..., AttentionCall]] = {
+    F.scaled_dot_product_attention: _read_sdpa,
+    F.multi_head_attention_forward: _read_mha,
+    qkv_attention: _read_qkv,
+}
+
+
+class WatchMode(TorchFunctionMode):
+    """One watch's view of the torch functions: passes every call through unchanged and hands
+    the attention calls to the watch afterwards."""
+
+    def __init__(self, watch: Watch) -> None:
+        super().__init__()
+        self.watch = watch
+        self.pending_flex: list[tuple[Any, ...]] = []
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():
+            # flex_attention compiles its operator even in eager mode; record it as a plain
+            # side effect (dynamo replays the append) and judge it on the next eager call
+            if func is _FLEX_HOP:
+                out = func(*args, **kwargs)
+                self.pending_flex.append((args, out))
+                return out
+            return func(*args, **kwargs)
+        if self.pending_flex:
+            self.flush_flex()
+        reader = _READERS.get(func)
+        if reader is None and func is not _FLEX_HOP:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is _FLEX_HOP:
+            self.pending_flex.append((args, out))
+            self.flush_flex()
+            return out
+        assert reader is not None
+        _mark_kernel()
+        self.watch.observe(lambda: reader(func, args, kwargs, out), current_module(), call_site())
+        return out
+
+    def flush_flex(self) -> None:
+        """Judge the flex calls recorded while compiling."""
+        pending, self.pending_flex = self.pending_flex, []
+        for args, out in pending:
+            _mark_kernel()
+            self.watch.observe(_flex_reader(args, out), current_module(), "flex_attention")
+
+
+def _mark_kernel() -> None:
+    if _local.frames:
+        _local.frames[-1].kernel_seen = True
+
+
+def _observe(make: Callable[[], AttentionCall], module: nn.Module | None, site: str) -> None:
+    _mark_kernel()
+    for w in _local.watches:
+        w.observe(make, module, site)
+
+
+# ---------------------------------------------------------------- module hooks
+
+
+def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+    if not _local.watches:
+        return
+    _local.modules.append(module)
+    if isinstance(module, _SUSPENDING):
+        _local.suspended.append(_pop_watch_modes())
+        if isinstance(module, nn.TransformerEncoderLayer):
+            _local.layer_marks.append(_local.mha_seen.get(id(module.self_attn), 0))
+
+
+def _post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    if not _local.watches or not _local.modules or _local.modules[-1] is not module:
+        return
+    try:
+        if isinstance(module, _SUSPENDING):
+            for mode in reversed(_local.suspended.pop()):
+                torch._C._push_on_torch_function_stack(mode)
+            if isinstance(module, nn.MultiheadAttention):
+                _observe_mha_module(module, module, args, kwargs, out)
+            elif isinstance(module, nn.TransformerEncoderLayer):
+                mark = _local.layer_marks.pop()
+                if _local.mha_seen.get(id(module.self_attn), 0) == mark:
+                    _observe_fused_layer(module, args, kwargs, out)
+    finally:
+        _local.modules.pop()
+
+
+def _pop_watch_modes() -> list[TorchFunctionMode]:
+    """Take the watches' modes off the top of this thread's mode stack (fast paths run)."""
+    popped: list[TorchFunctionMode] = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+        if not isinstance(top, WatchMode):
+            break
+        popped.append(torch._C._pop_torch_function_stack())
+    return popped
+
+
+def _mha_kwargs(module: nn.MultiheadAttention, bound: dict[str, Any]) -> dict[str, Any]:
+    same = module._qkv_same_embed_dim
+    return {
+        "query": bound["query"],
+        "key": bound["key"],
+        "num_heads": module.num_heads,
+        "in_proj_weight": module.in_proj_weight if same else None,
+        "in_proj_bias": module.in_proj_bias,
+        "q_proj_weight": None if same else module.q_proj_weight,
+        "k_proj_weight": None if same else module.k_proj_weight,
+        "bias_k": module.bias_k,
+        "add_zero_attn": module.add_zero_attn,
+        "key_padding_mask": bound.get("key_padding_mask"),
+        "attn_mask": bound.get("attn_mask"),
+    }
+
+
+def _observe_mha_module(
+    owner: nn.Module,
+    module: nn.MultiheadAttention,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+) -> None:
+    _local.mha_seen[id(module)] = _local.mha_seen.get(id(module), 0) + 1
+    bound = _MODULE_MHA_SIGNATURE.bind(module, *args, **kwargs).arguments
+    with torch.no_grad():
+        mha_kwargs = _mha_kwargs(module, bound)
+    _observe(
+        lambda: from_mha(
+            (), mha_kwargs, out, api="nn.MultiheadAttention", batch_first=module.batch_first
+        ),
+        owner if owner is not module else module,
+        call_site(),
+    )
+
+
+def _observe_fused_layer(
+    layer: nn.TransformerEncoderLayer, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> None:
+    """A TransformerEncoderLayer that took PyTorch's fused path: its self-attention, re-read."""
+    sig = inspect.signature(type(layer).forward)
+    bound = sig.bind(layer, *args, **kwargs).arguments
+    src = bound["src"]
+    if getattr(src, "is_nested", False):
+        for w in _local.watches:  # nested tensors carry no padding and no mask: nothing to judge
+            w.report.calls += 1
+        return
+    with torch.no_grad():
+        x = layer.norm1(src) if layer.norm_first else src
+    call_kwargs = {
+        "key_padding_mask": bound.get("src_key_padding_mask"),
+        "attn_mask": bound.get("src_mask"),
+    }
+    _observe_mha_module(layer, layer.self_attn, (x, x, x), call_kwargs, (out, None))
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def _wrap_hf(implementation: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def watched_attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not _local.watches:
+            return fn(module, *args, **kwargs)
+        frame = _Frame(module, implementation)
+        _local.frames.append(frame)
+        try:
+            out = fn(module, *args, **kwargs)
+        finally:
+            _local.frames.pop()
+        if not frame.kernel_seen:
+            site = call_site()
+            _observe(
+                lambda: from_hf_function(implementation, module, args, kwargs, out), module, site
+            )
+        return out
+
+    watched_attention.__wrapped__ = fn  # type: ignore[attr-defined]
+    return watched_attention
+
+
+def _install_hf() -> None:
+    if "transformers" not in sys.modules:
+        return  # no transformers model can be running
+    from transformers.modeling_utils import AttentionInterface
+
+    original = AttentionInterface.get_interface
+
+    def get_interface(self: Any, attn_implementation: str, default: Callable[..., Any]) -> Any:
+        fn = original(self, attn_implementation, default)
+        if not _local.watches:
+            return fn
+        name = "eager" if fn is default else str(attn_implementation)
+        return _wrap_hf(name, fn)
+
+    AttentionInterface.get_interface = get_interface  # type: ignore[method-assign]
+    _hf_original.append((AttentionInterface, original))
+
+
+def install() -> None:
+    """Install the hooks and the ``transformers`` wrapper (reference counted, thread-safe)."""
+    global _installed
+    with _lock:
+        _installed += 1
+        if _installed > 1:
+            return
+        _handles.append(nn.modules.module.register_module_forward_pre_hook(_pre_hook))
+        _handles.append(
+            nn.modules.module.register_module_forward_hook(
+                _post_hook, with_kwargs=True, always_call=True
+            )
+        )
+        _install_hf()
+
+
+def uninstall() -> None:
+    """Remove what :func:`install` put in place once the last watch ends."""
+    global _installed
+    with _lock:
+        _installed -= 1
+        if _installed > 0:
+            return
+        while _handles:
+            _handles.pop().remove()
+        while _hf_original:
+            cls, original = _hf_original.pop()
+            cls.get_interface = original
+
+
+def push_watch(watch: Watch) -> None:
+    """Make ``watch`` active on this thread."""
+    _local.watches.append(watch)
+
+
+def pop_watch(watch: Watch) -> None:
+    """End ``watch`` on this thread (it must be the innermost)."""
+    if not _local.watches or _local.watches[-1] is not watch:
+        raise RuntimeError("qkv.doctor.watch blocks must end in the order they started")
+    _local.watches.pop()
+    if not _local.watches:
+        _local.modules.clear()
+        _local.frames.clear()
+        _local.mha_seen.clear()

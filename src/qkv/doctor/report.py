@@ -1,0 +1,126 @@
+"""What a watch found: the findings, the captured attention, a table and JSON.
+
+Shapes: T queries, S keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from qkv.doctor.findings import Finding
+
+__all__ = ["Captured", "Report"]
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The attention weights of one captured call.
+
+    Attributes:
+        name: the module path (or the API's name when no module is known).
+        call: the index of this call among the captures of ``name`` (0 = first).
+        api: the function called.
+        samples: the batch rows kept.
+        heads: the query heads kept.
+        weights: ``[len(samples), len(heads), T, S]`` float32 on the CPU, recomputed exactly;
+            rows whose real output was NaN are NaN here too.
+    """
+
+    name: str
+    call: int
+    api: str
+    samples: tuple[int, ...]
+    heads: tuple[int, ...]
+    weights: Tensor
+
+
+@dataclass
+class Report:
+    """Everything one :func:`qkv.doctor.watch` block saw.
+
+    Attributes:
+        findings: the findings, most severe first (each counts the calls that showed it).
+        calls: attention calls seen.
+        captured: the captured weights, in call order.
+        unread: calls the doctor could not read (their message); the model ran unchanged.
+    """
+
+    findings: list[Finding] = field(default_factory=list)
+    calls: int = 0
+    captured: list[Captured] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no finding is an error or a warning (hints do not count)."""
+        return not any(f.severity in ("error", "warning") for f in self.findings)
+
+    def by_kind(self, kind: str) -> list[Finding]:
+        """The findings of one kind."""
+        return [f for f in self.findings if f.kind == kind]
+
+    def attention(self, name: str, call: int = 0) -> Tensor:
+        """The captured weights of module ``name``'s ``call``-th captured call.
+
+        Returns:
+            ``[samples, heads, T, S]`` float32.
+
+        Raises:
+            KeyError: nothing was captured under that name and index (the message lists what
+                was).
+        """
+        for c in self.captured:
+            if c.name == name and c.call == call:
+                return c.weights
+        have = sorted({(c.name, c.call) for c in self.captured})
+        raise KeyError(f"no capture of {name!r} call {call}; captured: {have}")
+
+    def __str__(self) -> str:
+        head = f"qkv doctor: {self.calls} attention calls, "
+        if not self.findings:
+            return head + "no findings" + self._unread_line()
+        counts = {
+            s: sum(f.severity == s for f in self.findings) for s in ("error", "warning", "hint")
+        }
+        lines = [head + ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())]
+        rows = [("severity", "kind", "calls", "where", "message")]
+        rows += [(f.severity, f.kind, str(f.count), f.where, f.message) for f in self.findings]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        for r in rows:
+            lines.append(
+                "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+            )
+        return "\n".join(lines) + self._unread_line()
+
+    def _unread_line(self) -> str:
+        if not self.unread:
+            return ""
+        return f"\n({len(self.unread)} calls could not be read: {self.unread[0]})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-ready values."""
+        return {
+            "ok": self.ok,
+            "calls": self.calls,
+            "findings": [f.to_dict() for f in self.findings],
+            "captured": [
+                {
+                    "name": c.name,
+                    "call": c.call,
+                    "api": c.api,
+                    "samples": list(c.samples),
+                    "heads": list(c.heads),
+                    "shape": list(c.weights.shape),
+                }
+                for c in self.captured
+            ],
+            "unread": list(self.unread),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as a JSON string."""
+        return json.dumps(self.to_dict(), indent=indent, default=str)
