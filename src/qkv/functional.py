@@ -424,27 +424,25 @@ def attention(
     if has_torch_function((query, key, value)):
         # a TorchFunctionMode (qkv.doctor.watch) or a tensor subclass sees this call, as it
         # sees F.scaled_dot_product_attention; without one this is one C-level check
-        return cast(
-            tuple[Tensor, Tensor | None],
-            handle_torch_function(
-                attention,
-                (query, key, value),
-                query,
-                key,
-                value,
-                mask=mask,
-                attn_bias=attn_bias,
-                is_causal=is_causal,
-                scale=scale,
-                need_weights=need_weights,
-                dropout_p=dropout_p,
-                training=training,
-                backend=backend,
-                block_q=block_q,
-                block_k=block_k,
-                bias=bias,
-            ),
+        out: tuple[Tensor, Tensor | None] = handle_torch_function(
+            attention,
+            (query, key, value),
+            query,
+            key,
+            value,
+            mask=mask,
+            attn_bias=attn_bias,
+            is_causal=is_causal,
+            scale=scale,
+            need_weights=need_weights,
+            dropout_p=dropout_p,
+            training=training,
+            backend=backend,
+            block_q=block_q,
+            block_k=block_k,
+            bias=bias,
         )
+        return out
     # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
     # parameters above are the one list of them (explain_backend binds the same names).
     return _run(_resolve(locals()))

@@ -28,26 +28,60 @@ SEQ2SEQ = ("bart", "t5")
 
 def _config(name: str) -> Any:
     if name == "llama":
-        return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=64, pad_token_id=PAD)
+        return LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            pad_token_id=PAD,
+        )
     if name == "gpt2":
-        return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                          pad_token_id=PAD)
+        return GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=PAD
+        )
     if name == "bert":
-        return BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, intermediate_size=64,
-                          max_position_embeddings=64, pad_token_id=PAD)
+        return BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            pad_token_id=PAD,
+        )
     if name == "bart":
-        return BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
-                          encoder_attention_heads=4, decoder_attention_heads=4,
-                          encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-                          pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
-                          decoder_start_token_id=2, forced_eos_token_id=None)
+        return BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=PAD,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            forced_eos_token_id=None,
+        )
     if name == "t5":
-        return T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                        num_decoder_layers=2, num_heads=4, pad_token_id=PAD,
-                        decoder_start_token_id=PAD, eos_token_id=1)
+        return T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            pad_token_id=PAD,
+            decoder_start_token_id=PAD,
+            eos_token_id=1,
+        )
     raise ValueError(name)
 
 
@@ -90,15 +124,24 @@ def run(model: Any, name: str, side: str, cached_step: bool = True) -> Any:
             dec = torch.tensor([[PAD if name == "t5" else 2, 5, 6]] * len(LENGTHS))
             out = model(**inputs, decoder_input_ids=dec, use_cache=True)
             if cached_step:
-                model(**inputs, decoder_input_ids=dec[:, -1:], past_key_values=out.past_key_values,
-                      use_cache=True)
+                model(
+                    **inputs,
+                    decoder_input_ids=dec[:, -1:],
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
             return out.logits
         if name in CAUSAL:
             out = model(**inputs, use_cache=True)
             if cached_step:
-                step_mask = torch.cat([inputs["attention_mask"], torch.ones(len(LENGTHS), 1,
-                                                                            dtype=torch.long)], 1)
-                model(input_ids=torch.full((len(LENGTHS), 1), 9), attention_mask=step_mask,
-                      past_key_values=out.past_key_values, use_cache=True)
+                step_mask = torch.cat(
+                    [inputs["attention_mask"], torch.ones(len(LENGTHS), 1, dtype=torch.long)], 1
+                )
+                model(
+                    input_ids=torch.full((len(LENGTHS), 1), 9),
+                    attention_mask=step_mask,
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
             return out.logits
         return model(**inputs).last_hidden_state

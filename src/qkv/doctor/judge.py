@@ -449,24 +449,12 @@ def _check_blocked_rows(
         whole = full.all(-1)  # [B]
         if bool(whole.any()) and not bool(whole.all()) and call.blocked is not None:
             b = int(torch.nonzero(whole)[0])
-            if call.blocked.shape[-2] == 1 and call.blocked.shape[0] == B:  # [B, 1, 1, S]
-                out.append(
-                    Verdict(
-                        "inverted_mask",
-                        "warning",
-                        f"a padding-shaped mask {list(call.mask_shape or ())} blocks every key of "
-                        f"sample {b} while other samples keep keys: an inverted padding mask does "
-                        f"this to samples without padding ({call.reading_text})",
-                        {"sample": b},
-                    )
-                )
-                return full
             out.append(
                 Verdict(
                     "all_blocked_rows",
                     "warning",
-                    f"every query of sample {b} has every key blocked: an empty sequence, or a "
-                    f"mask that blocks too much",
+                    f"every query of sample {b} has every key blocked: an empty sequence, or an "
+                    f"inverted padding mask ({call.reading_text})",
                     {"sample": b},
                 )
             )

@@ -1,0 +1,84 @@
+"""Each seeded bug is caught with the right kind, at the right module; the clean layer is not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from buggy import BUGS, CachedStep, Tiny, attention_mask
+
+from qkv import doctor
+
+EXPECTED = {
+    "inverted": ("inverted_mask", "error"),
+    "fp16_nan": ("nonfinite_mask", "error"),
+    "weak": ("weak_mask", "error"),
+    "broadcast": ("mask_broadcast", "error"),
+    "dropped": ("padding_leak", "error"),
+    "off_by_one": ("all_blocked_rows", "error"),
+    "nan_value": ("nonfinite_output", "error"),
+    "dense_causal": ("hint", "hint"),
+}
+
+
+def _watch(bug: str | None) -> doctor.Report:
+    model = Tiny(bug)
+    ids = torch.randint(0, 50, (3, 3), generator=torch.Generator().manual_seed(0))
+    with doctor.watch(model) as report:
+        model(ids, attention_mask=attention_mask())
+    return report
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_bug_is_found_at_its_layer(bug: str) -> None:
+    report = _watch(bug)
+    kind, severity = EXPECTED[bug]
+    found = report.by_kind(kind)
+    assert found, f"{bug}: expected {kind}, got\n{report}"
+    assert found[0].severity == severity
+    assert found[0].where.startswith("layers.1 (buggy.py:"), found[0].where
+    assert all(f.where.startswith("layers.1 ") for f in report.findings), str(report)
+    assert report.ok == (severity == "hint")
+    assert report.unread == []
+
+
+def test_the_clean_model_has_no_finding() -> None:
+    report = _watch(None)
+    assert report.calls == 2 and report.findings == [] and report.ok, str(report)
+
+
+def test_is_causal_with_a_cache_is_misaligned_and_an_empty_cache_is_not() -> None:
+    q = torch.randn(1, 2, 2, 8)
+    filled = torch.randn(1, 2, 6, 8)
+    with doctor.watch(CachedStep()) as report:
+        CachedStep()(q, filled, filled)
+    (f,) = report.findings
+    assert (f.kind, f.severity) == ("causal_misaligned", "error")
+    assert f.evidence["T"] == 2 and f.evidence["S"] == 6
+    empty = torch.cat([torch.randn(1, 2, 2, 8), torch.zeros(1, 2, 4, 8)], 2)  # prefill slots
+    with doctor.watch() as report:
+        CachedStep()(q, empty, empty)
+    assert report.findings == [], str(report)
+
+
+def test_nn_multihead_attention_nan_rows_are_found() -> None:
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 4, 8)
+    padding = torch.tensor([[False] * 4, [True] * 4])  # sample 1 is all padding
+    with doctor.watch(mha) as report:
+        out, _ = mha(x, x, x, key_padding_mask=padding)
+    assert bool(out[1].isnan().all())
+    (f,) = report.findings
+    assert (f.kind, f.where.split(" ")[0]) == ("all_blocked_rows", "MultiheadAttention")
+    assert f.evidence["rows"] == 4
+
+
+def test_a_mask_without_the_models_padding_is_judged_on_its_own() -> None:
+    """No model given: an inverted [B, 1, 1, S] padding mask still shows, as a warning (a
+    sample without padding has every key blocked; SDPA returns finite values there)."""
+    q = torch.randn(2, 2, 4, 8)
+    keep = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).bool()
+    with doctor.watch() as report:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=~keep[:, None, None])
+    (f,) = report.findings
+    assert (f.kind, f.severity) == ("all_blocked_rows", "warning")
+    assert "inverted" in f.message and f.evidence["sample"] == 0
