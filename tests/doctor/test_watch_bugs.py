@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from buggy import BUGS, CachedStep, Tiny, attention_mask
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from qkv import doctor
 
@@ -82,3 +85,39 @@ def test_a_mask_without_the_models_padding_is_judged_on_its_own() -> None:
     (f,) = report.findings
     assert (f.kind, f.severity) == ("all_blocked_rows", "warning")
     assert "inverted" in f.message and f.evidence["sample"] == 0
+
+
+class _Flex(torch.nn.Module):
+    """Bidirectional flex attention whose ``mask_mod`` may forget the padding."""
+
+    def __init__(self, uses_padding: bool) -> None:
+        super().__init__()
+        self.uses_padding = uses_padding
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        lengths = attention_mask.sum(1)
+
+        def keep(b: Any, h: Any, q: Any, k: Any) -> Any:
+            return k < lengths[b] if self.uses_padding else k >= 0
+
+        B, _, T, _ = x.shape
+        block_mask = create_block_mask(keep, B, 1, T, T, device="cpu")
+        return flex_attention(x, x, x, block_mask=block_mask)
+
+
+@pytest.mark.parametrize("uses_padding", [True, False])
+def test_flex_attention_mask_mod_is_read(uses_padding: bool) -> None:
+    x = torch.randn(2, 2, 128, 8)
+    mask = (torch.arange(128)[None] < torch.tensor([[128], [60]])).long()
+    model = _Flex(uses_padding)
+    with torch.no_grad():
+        unwatched = model(x, mask)
+        with doctor.watch(model) as report:
+            watched = model(x, mask)
+    assert torch.equal(unwatched, watched) and report.calls == 1 and report.unread == []
+    if uses_padding:
+        assert report.findings == [], str(report)
+    else:
+        (f,) = report.findings
+        assert (f.kind, f.where.split(" ")[0]) == ("padding_leak", "_Flex")
+        assert "test_watch_bugs.py" in f.where

@@ -21,6 +21,7 @@ no watch:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -61,6 +62,7 @@ _SKIP_DIRS = (
     os.path.dirname(__file__),  # the doctor
     os.path.join(_QKV_DIR, "functional.py"),  # qkv.attention's own dispatch
     os.path.join(_QKV_DIR, "integrations"),
+    "<eval_with_key>",  # code torch.compile / fx generated
 )
 
 
@@ -129,22 +131,52 @@ def _read_qkv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     return from_qkv(args, kwargs, out)
 
 
-def _read_flex_hop(args: tuple[Any, ...], out: Any) -> AttentionCall:
+def _read_flex(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
+    """The flex operator's call: ``(q, k, v, score_mod, block_mask tuple, scale, kernel_options,
+    score_mod buffers, mask_mod buffers)``; both mods take their buffers after the indices."""
     q, k, v, score_mod, block_tuple, scale = args[:6]
+    score_buffers = (
+        tuple(args[7]) if len(args) > 7 else tuple(kwargs.get("score_mod_other_buffers", ()))
+    )
+    mask_buffers = (
+        tuple(args[8]) if len(args) > 8 else tuple(kwargs.get("mask_mod_other_buffers", ()))
+    )
     mask_mod = block_tuple[-1] if isinstance(block_tuple, tuple) and block_tuple else None
-    has_score = score_mod is not None and getattr(score_mod, "__name__", "") != "_identity"
     output = out[0] if isinstance(out, tuple) else out
-    return from_flex(q, k, v, output, scale, mask_mod, has_score)
+    return from_flex(
+        q,
+        k,
+        v,
+        output,
+        scale,
+        None if mask_mod is None else functools.partial(_with_buffers, mask_mod, mask_buffers),
+        has_score_mod=not _is_identity(score_mod, score_buffers),
+    )
 
 
-def _flex_reader(args: tuple[Any, ...], out: Any) -> Callable[[], AttentionCall]:
-    return lambda: _read_flex_hop(args, out)
+def _with_buffers(fn: Any, buffers: tuple[Any, ...], *indices: Any) -> Any:
+    return fn(*indices, *buffers)
+
+
+def _is_identity(score_mod: Any, buffers: tuple[Any, ...]) -> bool:
+    """Whether a flex ``score_mod`` leaves scores unchanged (probed on a few values)."""
+    if score_mod is None:
+        return True
+    probe = torch.linspace(-3.0, 3.0, 6).view(1, 1, 2, 3)  # [1, 1, 2, 3]
+    idx = [torch.zeros((), dtype=torch.int64) for _ in range(4)]
+    try:
+        return bool(torch.equal(score_mod(probe, *idx, *buffers), probe))
+    except Exception:  # a score_mod that needs real indices: not known to be the identity
+        return False
 
 
 _READERS: dict[Any, Callable[..., AttentionCall]] = {
     F.scaled_dot_product_attention: _read_sdpa,
     F.multi_head_attention_forward: _read_mha,
     qkv_attention: _read_qkv,
+    # flex_attention compiles its operator even in eager code; the compiled graph calls the
+    # operator eagerly, and that call is what the mode sees
+    _FLEX_HOP: _read_flex,
 }
 
 
@@ -155,7 +187,6 @@ class WatchMode(TorchFunctionMode):
     def __init__(self, watch: Watch) -> None:
         super().__init__()
         self.watch = watch
-        self.pending_flex: list[tuple[Any, ...]] = []
 
     def __torch_function__(
         self,
@@ -166,34 +197,15 @@ class WatchMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_dynamo_compiling():
-            # flex_attention compiles its operator even in eager mode; record it as a plain
-            # side effect (dynamo replays the append) and judge it on the next eager call
-            if func is _FLEX_HOP:
-                out = func(*args, **kwargs)
-                self.pending_flex.append((args, out))
-                return out
-            return func(*args, **kwargs)
-        if self.pending_flex:
-            self.flush_flex()
+            return func(*args, **kwargs)  # traced code is not watched (see watch())
         reader = _READERS.get(func)
-        if reader is None and func is not _FLEX_HOP:
+        if reader is None:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if func is _FLEX_HOP:
-            self.pending_flex.append((args, out))
-            self.flush_flex()
-            return out
         assert reader is not None
         _mark_kernel()
         self.watch.observe(lambda: reader(func, args, kwargs, out), current_module(), call_site())
         return out
-
-    def flush_flex(self) -> None:
-        """Judge the flex calls recorded while compiling."""
-        pending, self.pending_flex = self.pending_flex, []
-        for args, out in pending:
-            _mark_kernel()
-            self.watch.observe(_flex_reader(args, out), current_module(), "flex_attention")
 
 
 def _mark_kernel() -> None:

@@ -59,6 +59,28 @@ class Report:
         """True when no finding is an error or a warning (hints do not count)."""
         return not any(f.severity in ("error", "warning") for f in self.findings)
 
+    def extend(self, other: Report) -> None:
+        """Add another report's calls and findings (one finding per kind and module path)."""
+        self.calls += other.calls
+        self.unread.extend(other.unread)
+        self.captured.extend(other.captured)
+        for f in other.findings:
+            path = f.where.split(" (")[0]
+            same = [
+                i
+                for i, g in enumerate(self.findings)
+                if g.kind == f.kind and g.where.split(" (")[0] == path
+            ]
+            if same:
+                g = self.findings[same[0]]
+                self.findings[same[0]] = Finding(
+                    g.kind, g.severity, g.where, g.message, g.evidence, g.count + f.count
+                )
+            else:
+                self.findings.append(f)
+        order = {"error": 0, "warning": 1, "hint": 2}
+        self.findings.sort(key=lambda f: order[f.severity])
+
     def by_kind(self, kind: str) -> list[Finding]:
         """The findings of one kind."""
         return [f for f in self.findings if f.kind == kind]

@@ -191,9 +191,7 @@ class Watch:
         self.report.captured.append(Captured(path, n, call.api, samples, heads, out))
 
     def finish(self) -> None:
-        """Judge what is still pending and order the findings, most severe first."""
-        if self.mode.pending_flex:
-            self.mode.flush_flex()
+        """Order the findings, most severe first."""
         order = {"error": 0, "warning": 1, "hint": 2}
         self.report.findings.sort(key=lambda f: order[f.severity])
 
