@@ -292,7 +292,12 @@ def _check_inverted(
         if pad is not None:
             open_rows = open_rows & pad.live_queries.unsqueeze(1)
         n_open = open_rows.sum(-1)  # [B, H|1]
-        all_diag = ((diag | ~open_rows).all(-1)) & (n_open >= 2)  # [B, H|1]
+        # an inverted causal or right-padding mask leaves open only keys after the diagonal;
+        # a strictly causal (off-by-one) mask leaves keys before it: not inverted
+        before = torch.ones(T, S, dtype=torch.bool, device=g.device).tril(-1)  # [T, S]
+        sees_past = (~g & before).any(-1)  # [B, H|1, T]
+        inverted_rows = diag & ~sees_past  # [B, H|1, T]
+        all_diag = ((inverted_rows | ~open_rows).all(-1)) & (n_open >= 2)  # [B, H|1]
         if bool(all_diag.any()):
             out.append(
                 Verdict(
@@ -416,6 +421,7 @@ def _check_blocked_rows(
     pad: Padding | None,
     bad_rows: Tensor | None,
     out: list[Verdict],
+    explained: bool = False,
 ) -> Tensor | None:
     B, H, T = call.query.shape[0], call.query.shape[1], call.query.shape[2]
     if blocked is None:
@@ -434,6 +440,8 @@ def _check_blocked_rows(
                 {"rows": int((bad_rows & full).sum()), "sample": b, "query": t},
             )
         )
+    if explained:  # another finding (an inverted mask) already says why rows are blocked
+        return full
     if pad is not None and bool((full & pad.live_queries).any()):
         b, t = (int(i) for i in torch.nonzero(full & pad.live_queries)[0])
         out.append(
@@ -506,7 +514,9 @@ def judge(call: AttentionCall, pad: Padding | None = None) -> list[Verdict]:
         return out
     blocked = _effective_blocked(call, float_kind, block_value)
     bad_rows = _nonfinite_rows(call)
-    full = _check_blocked_rows(call, blocked, pad, bad_rows, out)
+    # an inverted mask explains the blocked rows and the leaks it causes: report it alone
+    inverted = blocked is not None and _check_inverted(call, blocked, pad, out)
+    full = _check_blocked_rows(call, blocked, pad, bad_rows, out, explained=inverted)
     if bad_rows is not None:
         rest = bad_rows if full is None else bad_rows & ~full
         if bool(rest.any()):
@@ -520,7 +530,6 @@ def judge(call: AttentionCall, pad: Padding | None = None) -> list[Verdict]:
                     {"rows": int(rest.sum()), "sample": b, "query": t},
                 )
             )
-    inverted = blocked is not None and _check_inverted(call, blocked, pad, out)
     _check_causal(call, call.blocked, out)
     _check_2d_broadcast(call, pad, out)
     if pad is not None and not inverted:
