@@ -55,6 +55,8 @@ from torch._higher_order_ops.flex_attention import flex_attention as _FLEX_HOP
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _MODULE_MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+# PyTorch's own classes with an inference fast path that any active mode disables (exact types:
+# a subclass may compute otherwise, so its inner calls stay visible)
 _SUSPENDING = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 _QKV_DIR = os.path.dirname(os.path.dirname(__file__))
 _SKIP_DIRS = (
@@ -226,9 +228,9 @@ def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
     if not _local.watches:
         return
     _local.modules.append(module)
-    if isinstance(module, _SUSPENDING):
+    if type(module) in _SUSPENDING:
         _local.suspended.append(_pop_watch_modes())
-        if isinstance(module, nn.TransformerEncoderLayer):
+        if type(module) is nn.TransformerEncoderLayer:
             _local.layer_marks.append(_local.mha_seen.get(id(module.self_attn), 0))
 
 
@@ -236,12 +238,12 @@ def _post_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     if not _local.watches or not _local.modules or _local.modules[-1] is not module:
         return
     try:
-        if isinstance(module, _SUSPENDING):
+        if type(module) in _SUSPENDING:
             for mode in reversed(_local.suspended.pop()):
                 torch._C._push_on_torch_function_stack(mode)
-            if isinstance(module, nn.MultiheadAttention):
+            if type(module) is nn.MultiheadAttention:
                 _observe_mha_module(module, module, args, kwargs, out)
-            elif isinstance(module, nn.TransformerEncoderLayer):
+            elif type(module) is nn.TransformerEncoderLayer:
                 mark = _local.layer_marks.pop()
                 if _local.mha_seen.get(id(module.self_attn), 0) == mark:
                     _observe_fused_layer(module, args, kwargs, out)
@@ -342,9 +344,10 @@ def _wrap_hf(implementation: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _install_hf() -> None:
-    if "transformers" not in sys.modules:
-        return  # no transformers model can be running
-    from transformers.modeling_utils import AttentionInterface
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:
+        return  # no transformers model exists in this process: nothing to wrap
+    AttentionInterface = modeling_utils.AttentionInterface
 
     original = AttentionInterface.get_interface
 

@@ -63,10 +63,23 @@ def _float_mask_kind(additive: Tensor) -> tuple[str, float]:
     return "bias", lo
 
 
-def _effective_blocked(call: AttentionCall, float_kind: str, block_value: float) -> Tensor | None:
-    """Everything the call blocks or means to block, bool 4-D, True = blocked."""
+def _effective_blocked(
+    call: AttentionCall, float_kind: str, block_value: float, pad: Padding | None
+) -> Tensor | None:
+    """Everything the call blocks or means to block, bool 4-D, True = blocked.
+
+    A causal flag alone is left out where it changes no verdict (it blocks no whole row and no
+    padding is known), so a long causal call costs no ``[T, S]`` mask.
+    """
+    T, S = call.query.shape[2], call.key.shape[2]
+    causal_matters = (
+        call.blocked is not None
+        or call.additive is not None
+        or (pad is not None and bool((~pad.live_keys).any()))
+        or (call.causal == "bottom_right" and T > S)
+    )
     parts: list[Tensor] = []
-    hard = call.hard_blocked()
+    hard = call.hard_blocked() if causal_matters else call.blocked
     if hard is not None:
         parts.append(hard)
     if call.additive is not None:
@@ -512,7 +525,7 @@ def judge(call: AttentionCall, pad: Padding | None = None) -> list[Verdict]:
     float_kind, block_value = _check_float_mask(call, out)
     if float_kind == "invalid":
         return out
-    blocked = _effective_blocked(call, float_kind, block_value)
+    blocked = _effective_blocked(call, float_kind, block_value, pad)
     bad_rows = _nonfinite_rows(call)
     # an inverted mask explains the blocked rows and the leaks it causes: report it alone
     inverted = blocked is not None and _check_inverted(call, blocked, pad, out)

@@ -166,23 +166,24 @@ class Watch:
         samples = tuple(b for b in self.samples if b < B)
         heads = self.heads if self.heads is not None else tuple(range(H))
         heads = tuple(h for h in heads if h < H)
-        blocked = call.hard_blocked()
         out = torch.empty(len(samples), len(heads), T, S, dtype=torch.float32)  # kept weights
-        index = torch.tensor(heads)
         for i, b in enumerate(samples):
-            for r0, r1 in row_blocks(T):
-                w = weights_rows(
-                    call.query,
-                    call.key,
-                    call.scale,
-                    b,
-                    r0,
-                    r1,
-                    blocked=blocked,
-                    additive=call.additive,
-                    bias=call.bias,
-                )  # [H, rows, S]
-                out[i, :, r0:r1] = w.index_select(0, index.to(w.device)).float().cpu()
+            for j, h in enumerate(heads):  # one head at a time: a block is ROW_BLOCK x S
+                for r0, r1 in row_blocks(T):
+                    w = weights_rows(
+                        call.query,
+                        call.key,
+                        call.scale,
+                        b,
+                        r0,
+                        r1,
+                        blocked=call.blocked,
+                        additive=call.additive,
+                        bias=call.bias,
+                        heads=slice(h, h + 1),
+                        causal=call.causal,
+                    )  # [1, rows, S]
+                    out[i, j, r0:r1] = w[0].float().cpu()
             if call.output is not None and call.output.is_floating_point():
                 bad = ~torch.isfinite(call.output[b]).all(-1).all(0)  # [T]
                 out[i, :, bad.cpu()] = float("nan")

@@ -44,6 +44,7 @@ def weights_rows(
     additive: Tensor | None = None,
     bias: Tensor | None = None,
     heads: slice = slice(None),
+    causal: str | None = None,
 ) -> Tensor:
     """The exact weights of sample ``b``, query rows ``r0:r1``.
 
@@ -58,6 +59,8 @@ def weights_rows(
         additive: float added to the scores, 4-D broadcastable.
         bias: another float added to the scores, 4-D broadcastable.
         heads: which query heads.
+        causal: ``"top_left"`` or ``"bottom_right"`` to block future keys too (built for these
+            rows only, never as a whole ``[T, S]`` mask), or None.
 
     Returns:
         ``[h, r1 - r0, S]`` in the compute dtype (float32, or float64 for float64 inputs).
@@ -72,6 +75,12 @@ def weights_rows(
     block = _pick(blocked, b, heads, r0, r1)
     if block is not None:
         scores = scores.masked_fill(block, float("-inf"))  # [h, rows, S]
+    if causal is not None:
+        T, S = query.shape[2], key.shape[2]
+        shift = S - T if causal == "bottom_right" else 0
+        rows = torch.arange(r0, r1, device=scores.device).unsqueeze(-1) + shift  # [rows, 1]
+        future = torch.arange(S, device=scores.device) > rows  # [rows, S]
+        scores = scores.masked_fill(future, float("-inf"))  # [h, rows, S]
     top = scores.amax(-1, keepdim=True)  # [h, rows, 1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     e = torch.exp(scores - top)  # [h, rows, S]
