@@ -154,6 +154,8 @@ def _nonfinite_rows(call: AttentionCall) -> Tensor | None:
     """``[B, T]`` True where any head's output row holds NaN/inf, or None when all finite."""
     if call.output is None or not call.output.is_floating_point():
         return None
+    if bool(torch.isfinite(call.output.sum())):  # NaN and inf survive a sum: one pass
+        return None
     bad = ~torch.isfinite(call.output)
     if not bool(bad.any()):
         return None
@@ -281,11 +283,15 @@ def _check_inverted(
         return False
     if pad is not None:
         live_k = pad.live_keys  # [B, S]
-        if bool((~live_k).any()):
+        has_pad = (~live_k).any(-1) & pad.live_queries.any(-1)  # [B]
+        if bool(has_pad.any()):
+            # the last real query sees every real key under any correct mask (causal too):
+            # an inverted mask blocks exactly them there, and lets the padding through
+            T_idx = torch.arange(T, device=live_k.device)
+            last = (pad.live_queries * (T_idx + 1)).argmax(-1)  # [B]
             g = given.expand(B, given.shape[1], T, S).any(1)  # [B, T, S] blocked in some head
-            rows = pad.live_queries  # [B, T]
-            inverted = (g == live_k.unsqueeze(1)) | ~rows.unsqueeze(-1)  # [B, T, S]
-            sample_inv = inverted.all(-1).all(-1) & (~live_k).any(-1)  # [B]
+            row = g[torch.arange(B, device=g.device), last]  # [B, S]
+            sample_inv = (row == live_k).all(-1) & has_pad  # [B]
             if bool(sample_inv.any()):
                 b = int(torch.nonzero(sample_inv)[0])
                 out.append(
@@ -301,6 +307,8 @@ def _check_inverted(
     if T == S and T > 1:
         g = given.expand(B, given.shape[1], T, S)  # [B, H|1, T, S]
         diag = torch.diagonal(g, dim1=-2, dim2=-1)  # [B, H|1, T]
+        if int(diag.sum(-1).max()) < 2:
+            return False  # a correct mask keeps the diagonal of its real rows: nothing to see
         open_rows = ~g.all(-1)  # [B, H|1, T]
         if pad is not None:
             open_rows = open_rows & pad.live_queries.unsqueeze(1)
@@ -511,12 +519,13 @@ def _check_hints(call: AttentionCall, out: list[Verdict]) -> None:
         )
 
 
-def judge(call: AttentionCall, pad: Padding | None = None) -> list[Verdict]:
+def judge(call: AttentionCall, pad: Padding | None = None, hints: bool = True) -> list[Verdict]:
     """Every finding one call shows.
 
     Args:
         call: the call, normalized.
         pad: which of its queries and keys are real tokens, when the model's mask is known.
+        hints: look for speed hints (a caller that already has one for this place skips them).
 
     Returns:
         The verdicts, most severe first (an empty list for a clean call).
@@ -549,6 +558,7 @@ def judge(call: AttentionCall, pad: Padding | None = None) -> list[Verdict]:
         _check_padding(call, blocked, pad, out)
     if float_kind == "mask":
         _check_weak(call, block_value, out)
-    _check_hints(call, out)
+    if hints:
+        _check_hints(call, out)
     order = {"error": 0, "warning": 1, "hint": 2}
     return sorted(out, key=lambda v: order[v.severity])

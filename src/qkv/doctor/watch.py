@@ -138,7 +138,8 @@ class Watch:
             with torch.no_grad():
                 call = make()
                 path, where = self.where(module, site, call.api)
-                verdicts = judge(call, self.padding_for(call))
+                hints = ("hint", path) not in self._keys
+                verdicts = judge(call, self.padding_for(call), hints=hints)
                 if self.capture is not None and self.capture.search(path):
                     self._capture(path, call)
         except Exception as err:  # the model must run on whatever the doctor cannot read
