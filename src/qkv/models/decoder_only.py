@@ -147,11 +147,11 @@ class DecoderOnlyLM(nn.Module):
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
         check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
-        mask, offset = self_attention_padding(
+        mask, offset, positions = self_attention_padding(
             ids, padding_mask, c.pad_id, "padding_mask", cache, validate
         )  # [B, 1, 1, S] or None
         x = self.embed(ids)  # [B, T, D]
-        x, pos = position_inputs(self.positional, x, offset, causal=True)
+        x, pos = position_inputs(self.positional, x, offset, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]
         x = self.blocks(
             x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
@@ -164,6 +164,7 @@ class DecoderOnlyLM(nn.Module):
         ids: Tensor,
         max_new_tokens: int,
         *,
+        padding_mask: Tensor | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
         greedy: bool = False,
@@ -173,8 +174,12 @@ class DecoderOnlyLM(nn.Module):
         """Continue the prompts with the KV cache: greedy, or sampling with temperature / top-k.
 
         Args:
-            ids: prompts ``[B, T0]`` (all of one length; padding is not supported here).
+            ids: prompts ``[B, T0]``; prompts of different lengths are left-padded.
             max_new_tokens: n, the most tokens appended.
+            padding_mask: bool ``[B, T0]``, True = padding, on the left of each row (each row
+                is then decoded as if alone: positions start at its first real token, and its
+                padding is never attended to). None: no padding, and a prompt holding
+                ``config.pad_id`` is refused (say which tokens are padding).
             temperature: divides the logits before sampling (> 0).
             top_k: sample among the k most likely tokens only.
             greedy: take the most likely token (temperature and top_k are then unused).
@@ -186,12 +191,15 @@ class DecoderOnlyLM(nn.Module):
             long ``[B, T0 + n]`` (shorter when every row has produced ``eos_id``).
 
         Raises:
-            ValueError: n < 1, ``T0 + n > max_positions``, temperature <= 0, top_k < 1.
+            ValueError: n < 1, ``T0 + n > max_positions``, temperature <= 0, top_k < 1; a
+                right-padded prompt, a row of padding only, ``pad_id`` in a prompt without a
+                ``padding_mask``.
         """
         return sample_decoder_only(
             self,
             ids,
             max_new_tokens,
+            padding_mask=padding_mask,
             temperature=temperature,
             top_k=top_k,
             greedy=greedy,

@@ -19,13 +19,19 @@ import torch
 from torch import Tensor
 
 from qkv.checks import check_positive_int
-from qkv.models.inputs import check_ids
+from qkv.models.inputs import check_ids, key_padding
 
 if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
     from qkv.models.transformer import Transformer
 
-__all__ = ["beam_search", "check_beam_options", "greedy_encoder_decoder", "sample_decoder_only"]
+__all__ = [
+    "beam_search",
+    "check_beam_options",
+    "greedy_encoder_decoder",
+    "prompt_padding",
+    "sample_decoder_only",
+]
 
 
 def check_beam_options(beam_size: object, length_penalty: object) -> tuple[int, float]:
@@ -188,11 +194,60 @@ def _offer(
         best[b] = (score, torch.cat([prefix, prefix.new_tensor([tok])]))
 
 
+def prompt_padding(ids: Tensor, padding_mask: Tensor | None, pad_id: int | None) -> Tensor | None:
+    """The padding of a decoder prompt, which must be on the left.
+
+    A decoder continues each row from its last column, so padding may only precede a row's real
+    tokens. Without a mask, a prompt holding ``pad_id`` is refused rather than guessed at: the
+    same id may be a real token (GPT-2 pads with its end-of-text token).
+
+    Args:
+        ids: ``[B, T0]`` prompts (checked).
+        padding_mask: bool ``[B, T0]``, True = padding, or None.
+        pad_id: the model's padding token, or None.
+
+    Returns:
+        bool ``[B, T0]``, or None when nothing is padding.
+
+    Raises:
+        TypeError: a mask that is not bool.
+        ValueError: a mask of another shape, a row of padding only, padding after a real token
+            (right padding), or ``pad_id`` in the prompt with no mask.
+    """
+    if padding_mask is None:
+        if pad_id is not None and bool((ids == pad_id).any()):
+            row, col = (ids == pad_id).nonzero()[0].tolist()
+            raise ValueError(
+                f"ids hold pad_id={pad_id} (first at row {row}, column {col}) and no padding_mask "
+                "was given: pass padding_mask= (bool [B, T0], True = padding, on the left), all "
+                "False if those tokens are real"
+            )
+        return None
+    is_pad = key_padding(padding_mask, ids, "padding_mask")  # [B, T0] or None
+    if is_pad is None:
+        return None
+    empty = is_pad.all(dim=1)  # [B]
+    if bool(empty.any()):
+        raise ValueError(
+            f"padding_mask marks every token of row {int(empty.nonzero()[0])} as padding; each "
+            "prompt needs at least one real token"
+        )
+    after_real = is_pad[:, 1:] & ~is_pad[:, :-1]  # [B, T0 - 1] padding right of a real token
+    if bool(after_real.any()):
+        row, col = after_real.nonzero()[0].tolist()
+        raise ValueError(
+            f"padding_mask has padding after a real token (row {row}, column {col + 1}): a "
+            "decoder prompt must be left-padded, since generation continues from the last column"
+        )
+    return is_pad
+
+
 def sample_decoder_only(
     model: DecoderOnlyLM,
     ids: Tensor,
     max_new_tokens: int,
     *,
+    padding_mask: Tensor | None,
     temperature: float,
     top_k: int | None,
     greedy: bool,
@@ -208,10 +263,13 @@ def sample_decoder_only(
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if top_k is not None:
         check_positive_int("top_k", top_k)
+    is_pad = prompt_padding(ids, padding_mask, c.pad_id)  # [B, T0] or None
     fill = c.pad_id if c.pad_id is not None else eos_id
     B = ids.shape[0]
+    no_pad = torch.zeros(B, 1, dtype=torch.bool, device=ids.device)  # [B, 1]
     cache = model.new_cache(ids.shape[1] + n)
-    logits = model(ids, kv_cache=cache)[:, -1]  # [B, V]
+    prompt_pad = torch.zeros_like(ids, dtype=torch.bool) if is_pad is None else is_pad
+    logits = model(ids, prompt_pad, kv_cache=cache)[:, -1]  # [B, V]
     out = ids
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]
     for step in range(n):
@@ -224,7 +282,7 @@ def sample_decoder_only(
         if eos_id is not None and bool(finished.all()):
             break
         if step < n - 1:
-            logits = model(nxt[:, None], kv_cache=cache)[:, -1]  # [B, V]
+            logits = model(nxt[:, None], no_pad, kv_cache=cache)[:, -1]  # [B, V]
     return out
 
 

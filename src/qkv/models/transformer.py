@@ -185,7 +185,7 @@ class Transformer(nn.Module):
                 f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
                 f"got {tuple(memory.shape)}"
             )
-        self_mask, offset = self_attention_padding(
+        self_mask, offset, positions = self_attention_padding(
             tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", cache, validate
         )  # [B, 1, 1, S_cached + T] or None
         src_pad = None
@@ -198,7 +198,7 @@ class Transformer(nn.Module):
             src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask", validate)
         memory_mask = None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
         x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
-        x, pos = position_inputs(self.positional, x, offset, causal=True)
+        x, pos = position_inputs(self.positional, x, offset, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]
         h = self.decoder(
             x,
