@@ -123,3 +123,46 @@ def test_bad_directories_and_prompts_are_one_line_errors(
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("qkv generate: error:"), err
         assert message in err, err
+
+
+def test_decoding_flags_match_transformers_and_stream(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = _llama()
+    tok = _save(ref, tmp_path, tokenizer=True)
+    assert tok is not None
+    prompt = "w3 w17 w9 w40 w22"
+    ids = tok.encode(prompt).ids
+    with torch.no_grad():
+        free = ref.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
+    stops = [int(free[0, len(ids) + 4]), 47]  # the 5th token stops it (unless banned)
+    with torch.no_grad():
+        want = ref.generate(
+            torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, repetition_penalty=1.3,
+            eos_token_id=stops, min_new_tokens=2,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    pieces: list[str] = []
+    model, loaded = load_hf_decoder(tmp_path)
+    gen = generate_hf(
+        model, loaded, prompt, max_new_tokens=NEW, repetition_penalty=1.3,
+        eos_ids=tuple(stops), min_new_tokens=2, on_text=pieces.append,
+    )  # fmt: skip
+    assert gen.ids == want and "".join(pieces) == gen.text == tok.decode(want)
+    assert len(pieces) > 1  # streamed, not printed at the end
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path), prompt, "--max-new-tokens", str(NEW)]
+    argv += ["--repetition-penalty", "1.3", "--min-new-tokens", "2"]
+    argv += [x for s in stops for x in ("--eos-id", str(s))]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == tok.decode(want) and "streamed" in out[1]
+    sampled = ["generate", str(tmp_path), prompt, "--sample", "--top-p", "0.9", "--min-p", "0.1"]
+    assert main([*sampled, "--temperature", "0.8", "--seed", "3"]) == 0
+    for bad in (["--top-p", "1.5"], ["--repetition-penalty", "0"], ["--eos-id", "-1"]):
+        with pytest.raises(SystemExit):
+            main(["generate", str(tmp_path), prompt, *bad])
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path), prompt, "--top-p", "0.5"]) == 2  # needs --sample
+    assert "only shape sampling" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), prompt, "--eos-id", str(V)]) == 2
+    assert f"eos_id must lie in [0, vocab_size={V})" in capsys.readouterr().err

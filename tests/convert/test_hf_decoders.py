@@ -126,15 +126,17 @@ def _greedy_qkv(model: DecoderOnlyLM, ids: torch.Tensor, pad: torch.Tensor, n: i
 def _greedy_hf(
     model: tr.PreTrainedModel, ids: torch.Tensor, am: torch.Tensor, n: int
 ) -> torch.Tensor:
-    """transformers' forward with its cache, positions 0.. for every row as in qkv (its
-    ``generate`` shifts a left-padded row's positions, which RoPE scores only up to rounding)."""
-    out = model(ids, attention_mask=am, use_cache=True)
+    """transformers' forward with its cache, positions counted from each row's first real token
+    (``position_ids`` from the attention mask, as its ``generate`` does and as qkv does)."""
+    pos = (am.cumsum(1) - 1).clamp(min=0)  # [B, T]
+    out = model(ids, attention_mask=am, position_ids=pos, use_cache=True)
     cache, logits, toks = out.past_key_values, out.logits[:, -1], []
     for _ in range(n):
         nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
         toks.append(nxt)
         am = torch.cat([am, torch.ones_like(nxt)], dim=1)  # [B, S]
-        out = model(nxt, attention_mask=am, past_key_values=cache, use_cache=True)
+        pos = am.sum(1, keepdim=True) - 1  # [B, 1]
+        out = model(nxt, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
         cache, logits = out.past_key_values, out.logits[:, -1]
     return torch.cat(toks, dim=1)  # [B, n]
 

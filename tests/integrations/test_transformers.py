@@ -187,10 +187,39 @@ def _call(**kw: object) -> tuple[Tensor, Tensor | None]:
     return forward(torch.nn.Module(), q, k, k.clone(), None, **kw)
 
 
-@pytest.mark.parametrize("name", ["softcap", "position_bias", "s_aux"])
+@pytest.mark.parametrize("name", ["softcap", "s_aux"])
 def test_unsupported_arguments_raise(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         _call(**{name: 1.0})
+
+
+def _t5(seed: int) -> tr.T5ForConditionalGeneration:
+    torch.manual_seed(seed)
+    cfg = tr.T5Config(
+        vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return tr.T5ForConditionalGeneration(cfg).eval()
+
+
+def test_t5_position_bias_is_a_score_bias(tmp_path: Path) -> None:
+    d = _saved(tmp_path, _t5(0))
+    ref = _load(tr.T5ForConditionalGeneration, d, "eager")
+    ours = _load(tr.T5ForConditionalGeneration, d, "qkv")
+    src, am = _left_padded(3, 9)
+    src = src.flip(1)  # padding on the right, as a T5 source has it
+    am = am.flip(1)
+    tgt = torch.randint(1, 96, (3, 6))
+    tgt[:, 0] = 0  # the decoder starts from the pad token
+    with torch.no_grad():
+        want = ref(input_ids=src, attention_mask=am, decoder_input_ids=tgt).logits
+        got = ours(input_ids=src, attention_mask=am, decoder_input_ids=tgt).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        kw = {"attention_mask": am, "max_new_tokens": 10, "do_sample": False}
+        assert torch.equal(ours.generate(src, **kw), ref.generate(src, **kw))
+        beams = {**kw, "num_beams": 3}
+        assert torch.equal(ours.generate(src, **beams), ref.generate(src, **beams))
 
 
 def test_unknown_argument_raises_and_unused_none_is_fine() -> None:

@@ -57,7 +57,6 @@ BASE = {"src_vocab_size": 10, "tgt_vocab_size": 10}
         ("num_decoder_layers", 0, "num_decoder_layers"),
         ("num_encoder_layers", -1, "num_encoder_layers"),
         ("eos_id", 10, "eos_id"),
-        ("bos_id", 0, "bos_id and pad_id"),
         ("layer_norm_eps", 0.0, "layer_norm_eps"),
         ("max_positions", 0, "max_positions"),
     ],

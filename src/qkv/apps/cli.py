@@ -101,6 +101,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _unit_interval(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def _accuracy(text: str) -> float:
     value = _positive_float(text)
     if value > 1:
@@ -255,6 +262,39 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "--top-k", type=_positive, default=None, help="--sample: only the k likeliest tokens"
     )
     p.add_argument("--seed", type=int, default=0, help="--sample: seed of the sampler")
+    p.add_argument(
+        "--top-p",
+        type=_unit_interval,
+        default=None,
+        help="--sample: only the likeliest tokens whose probabilities sum to P, in (0, 1]",
+    )
+    p.add_argument(
+        "--min-p",
+        type=_unit_interval,
+        default=None,
+        help="--sample: only tokens at least P times as likely as the likeliest, in (0, 1]",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=_positive_float,
+        default=1.0,
+        help="text models: divide (or, when negative, multiply) the logit of every token "
+        "already in the text by this (> 0; 1: none)",
+    )
+    p.add_argument(
+        "--eos-id",
+        type=_int_at_least(0),
+        action="append",
+        default=None,
+        metavar="ID",
+        help="text models: stop at this token id (repeatable; default: the model's own)",
+    )
+    p.add_argument(
+        "--min-new-tokens",
+        type=_int_at_least(0),
+        default=0,
+        help="text models: do not stop before this many tokens",
+    )
     _add_threads(p)
 
 

@@ -106,7 +106,17 @@ def _sampling(args: argparse.Namespace) -> SamplingKwargs:
         "top_k": args.top_k,
         "greedy": not args.sample,
         "seed": args.seed,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "eos_ids": None if args.eos_id is None else tuple(args.eos_id),
+        "min_new_tokens": args.min_new_tokens,
     }
+
+
+def _print_piece(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _warm_then_time(run: Callable[[], Generation]) -> Generation:
@@ -123,13 +133,19 @@ def _generate_qkv(args: argparse.Namespace) -> Generation:
 
 
 def _generate_hf(args: argparse.Namespace) -> Generation:
+    """Decode once with 2 new tokens (the one-off first-call costs, unprinted), then stream the
+    real run to the terminal as its tokens come, timed."""
     if args.beam != 1:
         raise ValueError(
             f"--beam {args.beam}: a Hugging Face decoder decodes greedily or by sampling"
         )
     model, tokenizer = load_hf_decoder(args.checkpoint)
     sampling = _sampling(args)
-    return _warm_then_time(lambda: generate_hf(model, tokenizer, args.input, **sampling))
+    warm: SamplingKwargs = {**sampling, "max_new_tokens": 2, "min_new_tokens": 0}
+    generate_hf(model, tokenizer, args.input, **warm)
+    gen = generate_hf(model, tokenizer, args.input, on_text=_print_piece, **sampling)
+    print()
+    return gen
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -138,11 +154,15 @@ def run_generate(args: argparse.Namespace) -> int:
     checkpoint is a qkv checkpoint or a Hugging Face decoder directory (:func:`checkpoint_kind`)."""
     torch.set_num_threads(args.threads)
     hf = checkpoint_kind(args.checkpoint) == "hf"
-    gen = _generate_hf(args) if hf else _generate_qkv(args)
-    print(gen.text)
+    if hf:
+        gen = _generate_hf(args)  # streamed as it came
+    else:
+        gen = _generate_qkv(args)
+        print(gen.text)
     mode = f"beam {args.beam}" if args.beam > 1 else ("sampled" if args.sample else "greedy")
+    how = "streamed, timed after a 2-token warm-up run" if hf else "timed after a warm-up run"
     print(
         f"{len(gen.ids)} tokens in {gen.seconds * 1e3:.1f} ms ({gen.tokens_per_s:,.0f} tokens/s,"
-        f" {mode}, KV cache, timed after a warm-up run)"
+        f" {mode}, KV cache, {how})"
     )
     return 0

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qkv.convert.hf_files import Rule, decoder_config, require_keys
+from qkv.convert.hf_tokens import token_id
 from qkv.models.config import DecoderOnlyConfig
 from qkv.nn.feed_forward import Activation
 
@@ -88,6 +89,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
         positional="learned",
         max_positions=hf.get("n_positions", 1024),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        pad_id=token_id(hf, "pad_token_id", source),
     )
 
 

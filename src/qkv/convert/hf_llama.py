@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qkv.convert.hf_files import Rule, decoder_config, require_keys
+from qkv.convert.hf_tokens import token_id
 from qkv.models.config import DecoderOnlyConfig
 
 __all__ = ["IGNORED", "MODEL_TYPES", "PREFIX", "config_from_hf", "config_to_hf", "rules"]
@@ -103,6 +104,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
         qkv_bias=qkv_bias,
         out_bias=kind != "qwen2" and bool(hf.get("attention_bias", False)),
         ffn_bias=bool(hf.get("mlp_bias", False)),
+        pad_id=token_id(hf, "pad_token_id", source),
     )
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 import qkv.convert.hf_gpt2 as hf_gpt2
 import qkv.convert.hf_llama as hf_llama
+import qkv.convert.hf_seq2seq as hf_seq2seq
 from qkv.convert.hf_bert import load_bert
 from qkv.convert.hf_files import (
     check_against,
@@ -82,8 +83,9 @@ def load_hf(
         dtype: parameter dtype (checkpoint tensors are cast to it).
 
     Returns:
-        A :class:`~qkv.models.bert.BertEncoder` (``bert``) or :class:`~qkv.DecoderOnlyLM`
-        (``llama``, ``qwen2``, ``mistral``, ``gpt2``); a decoder's ``forward(ids,
+        A :class:`~qkv.models.bert.BertEncoder` (``bert``), a :class:`~qkv.DecoderOnlyLM`
+        (``llama``, ``qwen2``, ``mistral``, ``gpt2``) or a :class:`~qkv.Transformer` (``bart``,
+        ``marian``; :mod:`qkv.convert.hf_seq2seq`); a decoder's ``forward(ids,
         padding_mask)`` gives the logits of ``*ForCausalLM`` (``padding_mask`` True = padding).
 
     Raises:
@@ -98,12 +100,16 @@ def load_hf(
     kind = read_config(root).get("model_type")
     if kind == "bert":
         return load_bert(root, backend=backend, device=device, dtype=dtype)
-    if kind not in DECODERS:
+    known = ["bert", *DECODERS, *hf_seq2seq.MODEL_TYPES]
+    if kind not in known:
         raise ValueError(
-            f"{root / 'config.json'}: model_type={kind!r} is not supported; known: "
-            f"{sorted(['bert', *DECODERS])}"
+            f"{root / 'config.json'}: model_type={kind!r} is not supported; known: {sorted(known)}"
         )
-    model = _load_decoder(root, kind)
+    model: nn.Module
+    if kind in hf_seq2seq.MODEL_TYPES:
+        model = hf_seq2seq.load_seq2seq(root, kind)
+    else:
+        model = _load_decoder(root, kind)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for m in model.modules():

@@ -19,6 +19,9 @@ pattern is purely causal), so each call means exactly what it means on the ``"sd
   which both alignments agree;
 * no mask otherwise (one query, or a bidirectional module): every key is attended.
 
+T5's ``position_bias`` (its relative positions, a float ``[1|B, H, T, S]`` score bias added
+before the mask) is qkv's ``attn_bias``; it is cut with the keys in the top-left case above.
+
 A query row whose keys are all blocked (a fully padded sequence) gets output 0, where ``"sdpa"``
 and ``"eager"`` give NaN or an average of the padding; see :func:`qkv.attention`.
 
@@ -52,7 +55,6 @@ IGNORED_KWARGS: frozenset[str] = frozenset(
 
 UNSUPPORTED_KWARGS: dict[str, str] = {
     "softcap": "tanh soft-capping of the scores (Gemma 2)",
-    "position_bias": "a learned per-layer score bias (T5-style relative positions)",
     "s_aux": "attention sinks (an extra per-head logit)",
     "sinks": "attention sinks (an extra per-head logit)",
     "cu_seq_lens_q": "packed variable-length sequences (flash-attention varlen)",
@@ -72,7 +74,7 @@ def _blocked(mask: Tensor) -> Tensor:
 
 def _check_kwargs(kwargs: dict[str, Any], mask: Tensor | None, S: int) -> None:
     for name, value in kwargs.items():
-        if value is None or name in IGNORED_KWARGS:
+        if value is None or name in IGNORED_KWARGS or name == "position_bias":
             continue
         if name in UNSUPPORTED_KWARGS:
             raise ValueError(
@@ -89,7 +91,7 @@ def _check_kwargs(kwargs: dict[str, Any], mask: Tensor | None, S: int) -> None:
             continue
         raise TypeError(
             f"attn_implementation='qkv' got the keyword {name}={type(value).__name__}, which it "
-            f"does not know; known: is_causal, output_attentions, sliding_window, "
+            f"does not know; known: is_causal, output_attentions, sliding_window, position_bias, "
             f"{sorted(IGNORED_KWARGS)}"
         )
 
@@ -130,10 +132,12 @@ def make_attention_forward(backend: Backend = "auto") -> Any:
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and T > 1 and attention_mask is None
         mask = None if attention_mask is None else _blocked(attention_mask)
+        bias = kwargs.get("position_bias")  # [1|B, H, T, S] or None (T5)
         if causal and S > T:
             # top-left alignment (SDPA's): queries 0..T-1 never see keys T..S-1 (empty slots of a
             # StaticCache), and on the first T keys top-left equals qkv's bottom-right
             key, value = key[:, :, :T], value[:, :, :T]  # [B, Hkv, T, Dh]
+            bias = None if bias is None else bias[..., :T]  # [1|B, H, T, T]
         elif causal and S < T:
             raise ValueError(f"a causal call without a mask needs S >= T keys, got T={T}, S={S}")
         out, weights = attention(
@@ -141,6 +145,7 @@ def make_attention_forward(backend: Backend = "auto") -> Any:
             key,
             value,
             mask=mask,
+            attn_bias=bias,
             is_causal=causal,
             scale=scaling,
             need_weights=bool(output_attentions),

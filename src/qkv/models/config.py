@@ -255,8 +255,18 @@ class TransformerConfig(ModelConfig):
         num_encoder_layers: encoder layers (0 allowed).
         num_decoder_layers: decoder layers (at least 1).
         pad_id: padding token of both vocabularies.
-        bos_id: the token decoding starts from (not ``pad_id``).
+        bos_id: the token decoding starts from. It may equal ``pad_id`` (Marian and T5 start
+            from the pad token): the first target token is then never taken for padding.
         eos_id: the token that ends a target.
+        scale_embeddings: multiply token embeddings by ``sqrt(d_model)`` (the paper, Marian);
+            False: unscaled (BART).
+        embed_norm: a norm right after the embeddings and positions of each stack
+            (``src_embed_norm``, ``tgt_embed_norm``: BART's ``layernorm_embedding``).
+        final_norm: each stack ends with a norm (``encoder.norm``, ``decoder.norm``), as
+            ``nn.Transformer`` and pre-norm models do; False: none (BART's post-norm stacks).
+        share_positions: the encoder and decoder share one positional module; False: the
+            decoder has its own (``tgt_positional``; BART learns one table per stack).
+        head_bias: a bias on the output head (BART's and Marian's ``final_logits_bias``).
         others: see :class:`ModelConfig`.
 
     Raises:
@@ -271,6 +281,11 @@ class TransformerConfig(ModelConfig):
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    scale_embeddings: bool = True
+    embed_norm: bool = False
+    final_norm: bool = True
+    share_positions: bool = True
+    head_bias: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("src_vocab_size", self.src_vocab_size)
@@ -280,12 +295,10 @@ class TransformerConfig(ModelConfig):
         check_positive_int("num_decoder_layers", self.num_decoder_layers)
         for name in ("pad_id", "bos_id", "eos_id"):
             _check_token(name, getattr(self, name), self.tgt_vocab_size, "tgt_vocab_size")
-        if self.bos_id == self.pad_id:
-            raise ValueError(
-                f"bos_id and pad_id must differ (pad positions are masked out), both are "
-                f"{self.pad_id}"
-            )
         _check_token("pad_id", self.pad_id, self.src_vocab_size, "src_vocab_size")
+        for name in ("scale_embeddings", "embed_norm", "final_norm", "share_positions"):
+            check_bool(name, getattr(self, name))
+        check_bool("head_bias", self.head_bias)
 
 
 @_accepts_max_len

@@ -11,7 +11,7 @@ Shapes: B batch, T new tokens, S cached + new tokens, D model width, V vocabular
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from qkv.dropout import Dropout
 from qkv.models.config import DecoderOnlyConfig
-from qkv.models.generate import sample_decoder_only
+from qkv.models.generate import generate_decoder_only, stream_decoder_only
 from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import EncoderLayer
@@ -147,11 +147,11 @@ class DecoderOnlyLM(nn.Module):
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
         check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
-        mask, offset = self_attention_padding(
+        mask, offset, positions = self_attention_padding(
             ids, padding_mask, c.pad_id, "padding_mask", cache, validate
         )  # [B, 1, 1, S] or None
         x = self.embed(ids)  # [B, T, D]
-        x, pos = position_inputs(self.positional, x, offset, causal=True)
+        x, pos = position_inputs(self.positional, x, offset, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]
         x = self.blocks(
             x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
@@ -164,37 +164,113 @@ class DecoderOnlyLM(nn.Module):
         ids: Tensor,
         max_new_tokens: int,
         *,
+        padding_mask: Tensor | None = None,
+        greedy: bool = False,
         temperature: float = 1.0,
         top_k: int | None = None,
-        greedy: bool = False,
-        eos_id: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        eos_id: int | Sequence[int] | None = None,
+        min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
+        streamer: Callable[[Tensor], object] | None = None,
     ) -> Tensor:
-        """Continue the prompts with the KV cache: greedy, or sampling with temperature / top-k.
+        """Continue the prompts with the KV cache: greedy, or sampling; the options and their
+        order are those of ``transformers``' ``generate`` (see :mod:`qkv.models.decoding`).
 
         Args:
-            ids: prompts ``[B, T0]`` (all of one length; padding is not supported here).
+            ids: prompts ``[B, T0]``; prompts of different lengths are left-padded.
             max_new_tokens: n, the most tokens appended.
+            padding_mask: bool ``[B, T0]``, True = padding, on the left of each row (each row
+                is then decoded as if alone: positions start at its first real token, and its
+                padding is never attended to). None: no padding, and a prompt holding
+                ``config.pad_id`` is refused (say which tokens are padding).
+            greedy: take the likeliest token instead of sampling (the sampling options
+                temperature, top_k, top_p, min_p are then refused, not ignored).
             temperature: divides the logits before sampling (> 0).
-            top_k: sample among the k most likely tokens only.
-            greedy: take the most likely token (temperature and top_k are then unused).
-            eos_id: stop a row after this token (default ``config.eos_id``); later positions of
-                that row hold ``pad_id`` (or ``eos_id`` when no ``pad_id`` is set).
+            top_k: sample among the k likeliest tokens only.
+            top_p: sample among the likeliest tokens whose probabilities sum to ``top_p``, in
+                ``(0, 1]``.
+            min_p: sample among tokens at least ``min_p`` times as likely as the likeliest.
+            repetition_penalty: > 0; a token already in the row (prompt or generated, padding
+                left out) has its logit divided by it when positive, multiplied when negative.
+            eos_id: stop id(s), an int or a list (default ``config.eos_id``); a row ends at
+                the first it produces, and its later positions hold ``pad_id`` (or the first
+                stop id when no ``pad_id`` is set).
+            min_new_tokens: the stop ids are banned until this many tokens are generated.
             generator: random generator for reproducible sampling.
+            streamer: called with each step's tokens, long ``[B]``, as soon as they are chosen.
 
         Returns:
-            long ``[B, T0 + n]`` (shorter when every row has produced ``eos_id``).
+            long ``[B, T0 + n]`` (shorter when every row has stopped).
 
         Raises:
-            ValueError: n < 1, ``T0 + n > max_positions``, temperature <= 0, top_k < 1.
+            TypeError / ValueError: each bad value, before any step runs: n < 1,
+                ``T0 + n > max_positions``, the options' ranges (see
+                :meth:`DecodingOptions.check`), a stop id outside the vocabulary, a
+                right-padded prompt, a row of padding only, ``pad_id`` in a prompt without a
+                ``padding_mask``.
         """
-        return sample_decoder_only(
+        return generate_decoder_only(
             self,
             ids,
             max_new_tokens,
+            streamer=streamer,
+            padding_mask=padding_mask,
+            generator=generator,
+            greedy=greedy,
             temperature=temperature,
             top_k=top_k,
-            greedy=greedy,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
             eos_id=self.config.eos_id if eos_id is None else eos_id,
+            min_new_tokens=min_new_tokens,
+        )
+
+    def stream(
+        self,
+        ids: Tensor,
+        max_new_tokens: int,
+        *,
+        padding_mask: Tensor | None = None,
+        greedy: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        eos_id: int | Sequence[int] | None = None,
+        min_new_tokens: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[Tensor]:
+        """:meth:`generate`, one step at a time: yields each step's tokens as they come.
+
+        The arguments are checked when ``stream`` is called, not at the first step.
+
+        Args:
+            ids ... generator: as :meth:`generate`.
+
+        Returns:
+            An iterator of long ``[B]`` tensors, one per generated position; it ends after n
+            steps or once every row has produced a stop id.
+
+        Raises:
+            TypeError / ValueError: as :meth:`generate`.
+        """
+        return stream_decoder_only(
+            self,
+            ids,
+            max_new_tokens,
+            padding_mask=padding_mask,
             generator=generator,
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            eos_id=self.config.eos_id if eos_id is None else eos_id,
+            min_new_tokens=min_new_tokens,
         )

@@ -1,5 +1,6 @@
-"""Decoding with the KV cache: greedy and beam search (encoder–decoder), greedy / temperature /
-top-k sampling (decoder-only).
+"""Decoding with the KV cache: greedy and beam search (encoder–decoder); greedy or sampled
+decoding of left-padded prompts, streamed step by step (decoder-only), with the options of
+:mod:`qkv.models.decoding`.
 
 Every loop feeds only the newest token(s) to the model; the cache supplies the rest, so a step
 costs the same at position 10 as at position 1000 (up to the attention over the cache).
@@ -13,19 +14,28 @@ Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from qkv.checks import check_positive_int
-from qkv.models.inputs import check_ids
+from qkv.models.decoding import DecodingOptions, seen_tokens
+from qkv.models.inputs import check_ids, key_padding
 
 if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
     from qkv.models.transformer import Transformer
 
-__all__ = ["beam_search", "check_beam_options", "greedy_encoder_decoder", "sample_decoder_only"]
+__all__ = [
+    "beam_search",
+    "check_beam_options",
+    "generate_decoder_only",
+    "greedy_encoder_decoder",
+    "prompt_padding",
+    "stream_decoder_only",
+]
 
 
 def check_beam_options(beam_size: object, length_penalty: object) -> tuple[int, float]:
@@ -47,15 +57,6 @@ def check_beam_options(beam_size: object, length_penalty: object) -> tuple[int, 
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite, got {length_penalty}")
     return k, float(length_penalty)
-
-
-def _check_eos(eos_id: object, vocab_size: int) -> None:
-    if eos_id is None:
-        return
-    if isinstance(eos_id, bool) or not isinstance(eos_id, int):
-        raise TypeError(f"eos_id must be an int or None, got {eos_id!r} ({type(eos_id).__name__})")
-    if not 0 <= eos_id < vocab_size:
-        raise ValueError(f"eos_id must lie in [0, vocab_size={vocab_size}), got {eos_id}")
 
 
 def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
@@ -188,58 +189,138 @@ def _offer(
         best[b] = (score, torch.cat([prefix, prefix.new_tensor([tok])]))
 
 
-def sample_decoder_only(
+def prompt_padding(ids: Tensor, padding_mask: Tensor | None, pad_id: int | None) -> Tensor | None:
+    """The padding of a decoder prompt, which must be on the left.
+
+    A decoder continues each row from its last column, so padding may only precede a row's real
+    tokens. Without a mask, a prompt holding ``pad_id`` is refused rather than guessed at: the
+    same id may be a real token (GPT-2 pads with its end-of-text token).
+
+    Args:
+        ids: ``[B, T0]`` prompts (checked).
+        padding_mask: bool ``[B, T0]``, True = padding, or None.
+        pad_id: the model's padding token, or None.
+
+    Returns:
+        bool ``[B, T0]``, or None when nothing is padding.
+
+    Raises:
+        TypeError: a mask that is not bool.
+        ValueError: a mask of another shape, a row of padding only, padding after a real token
+            (right padding), or ``pad_id`` in the prompt with no mask.
+    """
+    if padding_mask is None:
+        if pad_id is not None and bool((ids == pad_id).any()):
+            row, col = (ids == pad_id).nonzero()[0].tolist()
+            raise ValueError(
+                f"ids hold pad_id={pad_id} (first at row {row}, column {col}) and no padding_mask "
+                "was given: pass padding_mask= (bool [B, T0], True = padding, on the left), all "
+                "False if those tokens are real"
+            )
+        return None
+    is_pad = key_padding(padding_mask, ids, "padding_mask")  # [B, T0] or None
+    if is_pad is None:
+        return None
+    empty = is_pad.all(dim=1)  # [B]
+    if bool(empty.any()):
+        raise ValueError(
+            f"padding_mask marks every token of row {int(empty.nonzero()[0])} as padding; each "
+            "prompt needs at least one real token"
+        )
+    after_real = is_pad[:, 1:] & ~is_pad[:, :-1]  # [B, T0 - 1] padding right of a real token
+    if bool(after_real.any()):
+        row, col = after_real.nonzero()[0].tolist()
+        raise ValueError(
+            f"padding_mask has padding after a real token (row {row}, column {col + 1}): a "
+            "decoder prompt must be left-padded, since generation continues from the last column"
+        )
+    return is_pad
+
+
+def stream_decoder_only(
     model: DecoderOnlyLM,
     ids: Tensor,
     max_new_tokens: int,
     *,
-    temperature: float,
-    top_k: int | None,
-    greedy: bool,
-    eos_id: int | None,
+    padding_mask: Tensor | None,
     generator: torch.Generator | None,
-) -> Tensor:
-    """Greedy / temperature / top-k decoding; see :meth:`DecoderOnlyLM.generate`."""
+    **options: object,
+) -> Iterator[Tensor]:
+    """Check everything, then return the loop that yields each step's tokens; see
+    :meth:`DecoderOnlyLM.stream`.
+
+    Args:
+        model: the language model.
+        ids, max_new_tokens, padding_mask, generator: as :meth:`DecoderOnlyLM.stream`.
+        options: the keywords of :meth:`DecodingOptions.check` (``eos_id`` already defaulted).
+
+    Returns:
+        An iterator of long ``[B]`` tensors, one per generated position.
+
+    Raises:
+        TypeError / ValueError: every bad argument, before the first step runs.
+    """
     c = model.config
     check_ids("ids", ids, c.vocab_size, field="vocab_size")
-    _check_eos(eos_id, c.vocab_size)
     n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
-    if not greedy and not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if top_k is not None:
-        check_positive_int("top_k", top_k)
-    fill = c.pad_id if c.pad_id is not None else eos_id
+    opts = DecodingOptions.check(vocab_size=c.vocab_size, max_new_tokens=n, **options)
+    is_pad = prompt_padding(ids, padding_mask, c.pad_id)  # [B, T0] or None
+    return _decoder_only_steps(model, ids, n, is_pad, opts, generator)
+
+
+def _decoder_only_steps(
+    model: DecoderOnlyLM,
+    ids: Tensor,
+    n: int,
+    is_pad: Tensor | None,
+    opts: DecodingOptions,
+    generator: torch.Generator | None,
+) -> Iterator[Tensor]:
+    c = model.config
     B = ids.shape[0]
+    stop = torch.tensor(opts.stop_ids, dtype=torch.long, device=ids.device)  # [n_stop]
+    fill = c.pad_id if c.pad_id is not None else (opts.stop_ids or (0,))[0]
+    no_pad = torch.zeros(B, 1, dtype=torch.bool, device=ids.device)  # [B, 1]
     cache = model.new_cache(ids.shape[1] + n)
-    logits = model(ids, kv_cache=cache)[:, -1]  # [B, V]
-    out = ids
+    prompt_pad = torch.zeros_like(ids, dtype=torch.bool) if is_pad is None else is_pad
+    seen = seen_tokens(ids, is_pad, c.vocab_size) if opts.tracks_seen else None  # [B, V]
+    with torch.no_grad():
+        logits = model(ids, prompt_pad, kv_cache=cache)[:, -1]  # [B, V]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]
     for step in range(n):
-        nxt = _pick(logits, temperature, top_k, greedy, generator)  # [B]
-        if eos_id is not None:
-            assert fill is not None
+        nxt = opts.choose(logits, seen, step, generator)  # [B]
+        if opts.stop_ids:
             nxt = torch.where(finished, torch.full_like(nxt, fill), nxt)  # [B]
-            finished = finished | (nxt == eos_id)
-        out = torch.cat([out, nxt[:, None]], dim=1)  # [B, T0 + step + 1]
-        if eos_id is not None and bool(finished.all()):
-            break
-        if step < n - 1:
-            logits = model(nxt[:, None], kv_cache=cache)[:, -1]  # [B, V]
-    return out
+            finished = finished | torch.isin(nxt, stop)  # [B]
+        if seen is not None:
+            seen.scatter_(1, nxt[:, None], True)
+        yield nxt
+        if step == n - 1 or (opts.stop_ids and bool(finished.all())):
+            return
+        with torch.no_grad():
+            logits = model(nxt[:, None], no_pad, kv_cache=cache)[:, -1]  # [B, V]
 
 
-def _pick(
-    logits: Tensor,
-    temperature: float,
-    top_k: int | None,
-    greedy: bool,
-    generator: torch.Generator | None,
+def generate_decoder_only(
+    model: DecoderOnlyLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    *,
+    streamer: Callable[[Tensor], object] | None,
+    **kwargs: object,
 ) -> Tensor:
-    if greedy:
-        return logits.argmax(dim=-1)  # [B]
-    logits = logits.float() / temperature  # [B, V]
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]
-    probs = torch.softmax(logits, dim=-1)  # [B, V]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
+    """The prompts followed by every step of :func:`stream_decoder_only`; see
+    :meth:`DecoderOnlyLM.generate`.
+
+    Raises:
+        TypeError: a ``streamer`` that is not callable; see :func:`stream_decoder_only`.
+    """
+    if streamer is not None and not callable(streamer):
+        raise TypeError(f"streamer must be a callable taking a [B] tensor, got {streamer!r}")
+    steps = stream_decoder_only(model, ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+    out = [ids]
+    for nxt in steps:
+        if streamer is not None:
+            streamer(nxt)
+        out.append(nxt[:, None])
+    return torch.cat(out, dim=1)  # [B, T0 + steps]

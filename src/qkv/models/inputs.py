@@ -141,9 +141,14 @@ def self_attention_padding(
     name: str,
     kv_cache: KVCache | None,
     validate: bool = True,
-) -> tuple[Tensor | None, int]:
+) -> tuple[Tensor | None, int, Tensor | None]:
     """The causal self-attention's padding mask over cached + new keys, and the new tokens'
-    first position; what every decoder computes before its embeddings.
+    positions; what every decoder computes before its embeddings.
+
+    A token's position is the number of real (non-padding) tokens before it in its row, so a
+    left-padded row is encoded exactly as the same row without its padding (what
+    ``transformers``' ``generate`` does with ``position_ids`` from the attention mask); without
+    padding that is ``offset + column``, and no per-row positions are built.
 
     Args:
         ids: ``[B, T]`` new token ids (already checked).
@@ -155,8 +160,11 @@ def self_attention_padding(
         validate: see :func:`qkv.checks.checks_values`.
 
     Returns:
-        ``(mask, offset)``: bool ``[B, 1, 1, S]`` (True = blocked, ``S`` = cached + new) or
-        None when nothing is padding, and the position of ``ids[:, 0]``.
+        ``(mask, offset, positions)``: bool ``[B, 1, 1, S]`` (True = blocked, ``S`` = cached +
+        new) or None when nothing is padding; the column of ``ids[:, 0]`` among the keys; long
+        ``[B, T]`` positions when some key is padding, else None (positions are then
+        ``offset + column``). A padding token keeps ``offset + column`` (its output is never
+        attended to), so right padding changes no position at all.
 
     Raises:
         TypeError / ValueError: as :func:`key_padding`.
@@ -166,7 +174,13 @@ def self_attention_padding(
     if kv_cache is not None:
         offset = kv_cache.length
         is_pad = kv_cache.append_padding(is_pad, ids.shape[1])  # [B, S] or None
-    return (None if is_pad is None else masks.padding_mask(is_pad)), offset  # [B, 1, 1, S]
+    if is_pad is None:
+        return None, offset, None
+    T = ids.shape[1]
+    real = (~is_pad).long().cumsum(dim=1)[:, -T:]  # [B, T] real tokens up to each one
+    column = torch.arange(offset, offset + T, device=ids.device)  # [T]
+    positions = torch.where(is_pad[:, -T:], column, real - 1)  # [B, T]
+    return masks.padding_mask(is_pad), offset, positions  # [B, 1, 1, S], int, [B, T]
 
 
 def resolve_kv_cache(kv_cache: KVCache | None, cache: KVCache | None) -> KVCache | None:

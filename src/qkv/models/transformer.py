@@ -29,6 +29,12 @@ from qkv.nn.norms import make_norm
 from qkv.nn.positions import make_positional, position_inputs
 from qkv.nn.stacks import Decoder, Encoder
 
+
+def _continues(cache: KVCache | None) -> bool:
+    """Whether the target tokens of this call follow cached ones (so none is the first)."""
+    return cache is not None and cache.length > 0
+
+
 # check_ids / key_padding were defined here in 0.1; kept importable from here for one release.
 __all__ = ["Transformer", "check_ids", "key_padding"]
 
@@ -38,7 +44,9 @@ class Transformer(nn.Module):
 
     Embeddings are scaled by ``sqrt(d_model)`` (as in the paper); both stacks end with a norm,
     like ``nn.Transformer``, so its weights load one to one. Weights are initialised with
-    Xavier-uniform, as ``nn.Transformer`` does.
+    Xavier-uniform, as ``nn.Transformer`` does. The config's ``scale_embeddings``,
+    ``embed_norm``, ``final_norm``, ``share_positions`` and ``head_bias`` change that to fit
+    BART and Marian checkpoints (see :mod:`qkv.convert.hf_seq2seq`).
 
     Args:
         config: the architecture.
@@ -54,24 +62,32 @@ class Transformer(nn.Module):
         c = config
         self.config = c
         D = c.d_model
-        self.embed_scale = math.sqrt(D)
+        self.embed_scale = math.sqrt(D) if c.scale_embeddings else 1.0
         self.src_embed = nn.Embedding(c.src_vocab_size, D)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, D)
         self.positional = make_positional(**c.positional_kwargs())
+        # the decoder's own positions (BART), or None: it shares ``positional``
+        self.tgt_positional = (
+            None if c.share_positions else make_positional(**c.positional_kwargs())
+        )
+        self.src_embed_norm = make_norm(c.norm, D, c.layer_norm_eps) if c.embed_norm else None
+        self.tgt_embed_norm = make_norm(c.norm, D, c.layer_norm_eps) if c.embed_norm else None
         self.embed_dropout = Dropout(c.dropout)
         layer_kw = c.layer_kwargs()
         self.encoder = Encoder(
             [EncoderLayer(**layer_kw) for _ in range(c.num_encoder_layers)],
-            make_norm(c.norm, D, c.layer_norm_eps),
+            make_norm(c.norm, D, c.layer_norm_eps) if c.final_norm else None,
         )
         self.decoder = Decoder(
             [DecoderLayer(**layer_kw) for _ in range(c.num_decoder_layers)],
-            make_norm(c.norm, D, c.layer_norm_eps),
+            make_norm(c.norm, D, c.layer_norm_eps) if c.final_norm else None,
         )
-        self.lm_head = nn.Linear(D, c.tgt_vocab_size, bias=False)
+        self.lm_head = nn.Linear(D, c.tgt_vocab_size, bias=c.head_bias)
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+        if self.lm_head.bias is not None:
+            nn.init.zeros_(self.lm_head.bias)
         if c.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight
 
@@ -143,6 +159,8 @@ class Transformer(nn.Module):
         mask = None if is_pad is None else padding_mask(is_pad)  # [B, 1, 1, S]
         x = self.src_embed(src) * self.embed_scale  # [B, S, D]
         x, pos = position_inputs(self.positional, x, 0, causal=False)
+        if self.src_embed_norm is not None:
+            x = self.src_embed_norm(x)  # [B, S, D]
         x = self.embed_dropout(x)  # [B, S, D]
         return self.encoder(x, mask, attn_bias=pos.attn_bias, rope=pos.rope)
 
@@ -185,7 +203,11 @@ class Transformer(nn.Module):
                 f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
                 f"got {tuple(memory.shape)}"
             )
-        self_mask, offset = self_attention_padding(
+        if tgt_padding_mask is None and c.bos_id == c.pad_id and not _continues(cache):
+            # the start token is the pad token (Marian, T5): it is never padding
+            tgt_padding_mask = tgt == c.pad_id  # [B, T]
+            tgt_padding_mask[:, 0] = False
+        self_mask, offset, positions = self_attention_padding(
             tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", cache, validate
         )  # [B, 1, 1, S_cached + T] or None
         src_pad = None
@@ -198,7 +220,10 @@ class Transformer(nn.Module):
             src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask", validate)
         memory_mask = None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
         x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
-        x, pos = position_inputs(self.positional, x, offset, causal=True)
+        positional = self.positional if self.tgt_positional is None else self.tgt_positional
+        x, pos = position_inputs(positional, x, offset, causal=True, positions=positions)
+        if self.tgt_embed_norm is not None:
+            x = self.tgt_embed_norm(x)  # [B, T, D]
         x = self.embed_dropout(x)  # [B, T, D]
         h = self.decoder(
             x,

@@ -25,7 +25,8 @@ class _SelfAttentionInputs(TypedDict, total=False):
     """What every self-attention block of a stack shares (all optional).
 
     Keys:
-        rope: ``(cos, sin)``, each ``[T, Dh]``, rotary tables for the query positions.
+        rope: ``(cos, sin)``, each ``[T, Dh]`` (or ``[B, 1, T, Dh]``, one row of positions per
+            batch row), rotary tables for the query positions.
         kv_cache: decode incrementally: keys/values of earlier tokens come from the cache
             (cross-attention ones are computed once); masks then cover ``S`` = cached + new keys.
     """

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 from qkv.dropout import Dropout
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "swiglu")
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"]
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
 
 __all__ = ["ACTIVATIONS", "Activation", "FeedForward"]
 
@@ -27,7 +27,8 @@ class FeedForward(nn.Module):
         dim_feedforward: F, the inner width.
         activation: ``"relu"`` (the original Transformer), ``"gelu"`` (exact erf form, as in
             BERT and ``nn.Transformer(activation="gelu")``), ``"gelu_tanh"`` (the tanh
-            approximation, GPT-2's ``gelu_new``) or ``"swiglu"`` (LLaMA).
+            approximation, GPT-2's ``gelu_new``), ``"silu"`` (``x * sigmoid(x)``, Marian's
+            ``swish``) or ``"swiglu"`` (LLaMA).
         dropout: dropout on the inner activation (``nn.TransformerEncoderLayer`` puts one here).
         bias: biases on the linear layers.
         device: parameter device.
@@ -75,6 +76,8 @@ class FeedForward(nn.Module):
             h = F.gelu(h)  # [B, T, F]
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")  # [B, T, F]
+        elif self.activation == "silu":
+            h = F.silu(h)  # [B, T, F]
         else:
             h = F.relu(h)  # [B, T, F]
         return self.fc2(self.dropout(h))  # [B, T, D]

@@ -403,8 +403,9 @@ class MultiHeadAttention(nn.Module):
                 ``[B, H, T, S]``) or a :mod:`qkv.masks` object, combined with the
                 two above.
             attn_bias: float score bias broadcastable to ``[B, H, T, S]`` (ALiBi).
-            rope: ``(cos, sin)``, each ``[T, Dh]``, for the query positions: rotate queries and
-                the new keys (self-attention only; see :mod:`qkv.nn.positional`).
+            rope: ``(cos, sin)``, each ``[T, Dh]`` (or ``[B, 1, T, Dh]``: positions per row), for
+                the query positions: rotate queries and the new keys (self-attention only; see
+                :mod:`qkv.nn.positional`).
             kv_cache: append the new keys/values to this cache (self-attention) or compute the
                 cross-attention keys/values once and reuse them (``cross=True``). ``S`` then
                 counts every cached key; masks must cover all of them.

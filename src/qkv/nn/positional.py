@@ -13,7 +13,9 @@ permutes the encoder output. Each scheme here breaks that symmetry differently:
   (passed to :func:`qkv.attention` as ``bias=``).
 
 All of them accept a position ``offset`` (the number of tokens already in a KV cache), so that a
-token decoded alone gets the same encoding as in a full forward pass.
+token decoded alone gets the same encoding as in a full forward pass. The absolute and rotary
+ones also take ``positions``, one position per row and token (``[B, T]``), for left-padded
+batches whose rows start at different columns.
 
 Shapes: B batch, T length (new tokens), S key length, D model width, H heads, Dh head width.
 """
@@ -96,14 +98,18 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``. Returns ``[B, T, D]``.
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``; positions: long ``[B, T]``,
+        each token's own position (each ``<= offset + its column``), instead of
+        ``offset + column``. Returns ``[B, T, D]``.
 
         Raises:
             ValueError: positions beyond ``max_positions``.
         """
         T = x.shape[1]
         _check_span(offset, T, self.max_positions, "sinusoidal positions")
+        if positions is not None:
+            return x + self.table[positions].to(x.dtype)  # [B, T, D]
         return x + self.table[offset : offset + T].to(x.dtype)  # [B, T, D]
 
 
@@ -124,14 +130,18 @@ class LearnedPositionalEmbedding(nn.Module):
         self.embedding = nn.Embedding(max_positions, d_model)
         nn.init.normal_(self.embedding.weight, std=0.02)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``. Returns ``[B, T, D]``.
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``; positions: long ``[B, T]``,
+        each token's own position (each ``<= offset + its column``), instead of
+        ``offset + column``. Returns ``[B, T, D]``.
 
         Raises:
             ValueError: positions beyond ``max_positions``.
         """
         T = x.shape[1]
         _check_span(offset, T, self.max_positions, "learned positions")
+        if positions is not None:
+            return x + self.embedding(positions).to(x.dtype)  # [B, T, D]
         return x + self.embedding.weight[offset : offset + T].to(x.dtype)  # [B, T, D]
 
 
@@ -261,14 +271,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, T: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, T: int, offset: int = 0, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Returns ``(cos, sin)``, each ``[T, Dh]`` (``[T, Dh/2]`` interleaved), for positions
-        ``offset .. offset + T - 1``.
+        ``offset .. offset + T - 1``; with ``positions`` (long ``[B, T]``, each ``<= offset +
+        its column``) each ``[B, 1, T, Dh]`` (``[B, 1, T, Dh/2]``), one row of positions per
+        batch row, broadcasting over the heads.
 
         Raises:
             ValueError: positions beyond ``max_positions``.
         """
         _check_span(offset, T, self.max_positions, "rotary positions")
+        if positions is not None:
+            return self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, Dh(/2)]
         return self.cos[offset : offset + T], self.sin[offset : offset + T]  # [T, Dh(/2)] each
 
 

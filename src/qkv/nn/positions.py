@@ -85,7 +85,12 @@ def make_positional(
 
 
 def position_inputs(
-    positional: nn.Module | None, x: Tensor, offset: int, *, causal: bool
+    positional: nn.Module | None,
+    x: Tensor,
+    offset: int,
+    *,
+    causal: bool,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, LayerPositions]:
     """Add absolute positions to ``x`` or build the per-layer inputs.
 
@@ -94,15 +99,19 @@ def position_inputs(
         x: embeddings ``[B, T, D]`` of tokens at positions ``offset .. offset + T - 1``.
         offset: tokens already in the KV cache (0 without one).
         causal: the self-attention is causal (changes the ALiBi bias).
+        positions: long ``[B, T]``, each token's own position (a left-padded row's first real
+            token is at 0), or None for ``offset + column``. ALiBi ignores it: its bias depends
+            only on distances, which left padding (blocked keys, contiguous real tokens) keeps.
 
     Returns:
-        ``(x [B, T, D], LayerPositions)``.
+        ``(x [B, T, D], LayerPositions)``; rotary tables are ``[B, 1, T, *]`` with
+        ``positions``.
     """
     T = x.shape[1]
     if isinstance(positional, SinusoidalPositionalEncoding | LearnedPositionalEmbedding):
-        return positional(x, offset), LayerPositions()
+        return positional(x, offset, positions), LayerPositions()
     if isinstance(positional, RotaryEmbedding):
-        return x, LayerPositions(rope=positional(T, offset))
+        return x, LayerPositions(rope=positional(T, offset, positions))
     if isinstance(positional, ALiBi):
         return x, LayerPositions(attn_bias=positional(T, offset + T, causal=causal))  # [1, H, T, S]
     return x, LayerPositions()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Unpack
 
 import torch
 from tokenizers import Tokenizer
-from torch import nn
+from torch import Tensor, nn
 
 from qkv.convert.hf_load import load_hf
 from qkv.models.decoder_only import DecoderOnlyLM
@@ -196,6 +197,8 @@ def generate_hf(
     model: DecoderOnlyLM,
     tokenizer: Tokenizer | None,
     prompt: str,
+    *,
+    on_text: Callable[[str], object] | None = None,
     **options: Unpack[SamplingKwargs],
 ) -> Generation:
     """Continue ``prompt`` with a model from :func:`load_hf_decoder`, KV-cached, and time it.
@@ -205,10 +208,12 @@ def generate_hf(
         tokenizer: encodes the prompt and decodes the output; None: the prompt is space-separated
             token ids and the output is printed as ids.
         prompt: text, or ids (see ``tokenizer``).
-        **options: ``max_new_tokens``, ``temperature``, ``top_k``, ``greedy``, ``seed``, as
-            :class:`~qkv.train.task.DecodeOptions` (no beams). ``max_new_tokens`` default:
-            :data:`HF_DEFAULT_NEW_TOKENS`, at most what fits in the model's ``max_positions``;
-            generation also stops after the config's ``eos_token_id``.
+        on_text: called with each new piece of the output text as soon as its tokens are
+            generated (streaming); the pieces join to :attr:`Generation.text`.
+        **options: the fields of :class:`~qkv.train.task.DecodeOptions` but ``beam_size``.
+            ``max_new_tokens`` default: :data:`HF_DEFAULT_NEW_TOKENS`, at most what fits in the
+            model's ``max_positions``; generation stops after the config's ``eos_token_id``
+            unless ``eos_ids`` are given.
 
     Returns:
         The :class:`Generation` (``text``: the continuation only).
@@ -227,17 +232,56 @@ def generate_hf(
             raise ValueError(
                 f"the prompt has {len(ids)} tokens: no room left in max_positions={c.max_positions}"
             )
+    pieces = _TextPieces(tokenizer, on_text)
+    prompt_ids = torch.tensor([ids])  # [1, P]
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]),  # [1, P]
+            prompt_ids,
             n,
-            temperature=decode.temperature,
-            top_k=decode.top_k,
-            greedy=decode.greedy,
-            generator=torch.Generator().manual_seed(decode.seed),
+            padding_mask=torch.zeros_like(prompt_ids, dtype=torch.bool),  # no padding
+            streamer=pieces.add if on_text is not None else None,
+            **decode.text_kwargs(),
         )  # [1, P + n']
+    pieces.flush()
     seconds = time.perf_counter() - t0
     new = [int(i) for i in out[0, len(ids) :].tolist()]
-    text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
-    return Generation.timed(text, new, seconds)
+    return Generation.timed(_decode(tokenizer, new), new, seconds)
+
+
+def _decode(tokenizer: Tokenizer | None, ids: list[int]) -> str:
+    return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+
+
+class _TextPieces:
+    """Turns a one-row stream of tokens into new pieces of text.
+
+    The whole output is decoded again after each token and only what was not yet handed out is
+    passed on; text that may still change (an incomplete UTF-8 character, decoded as U+FFFD) is
+    held back until the next token or :meth:`flush`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, on_text: Callable[[str], object] | None):
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def add(self, step: Tensor) -> None:
+        """Take one step's token (``[1]``) and pass on the text it completes."""
+        self.ids.append(int(step[0]))
+        self._send(final=False)
+
+    def flush(self) -> None:
+        """Pass on whatever is still held back."""
+        self._send(final=True)
+
+    def _send(self, *, final: bool) -> None:
+        if self.on_text is None:
+            return
+        text = _decode(self.tokenizer, self.ids)
+        if not text.startswith(self.sent) or (text.endswith("\ufffd") and not final):
+            return
+        piece, self.sent = text[len(self.sent) :], text
+        if piece:
+            self.on_text(piece)

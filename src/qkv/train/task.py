@@ -151,6 +151,14 @@ class DecodeOptions:
         top_k: sample among the k likeliest (text, when not ``greedy``).
         greedy: text models: argmax decoding instead of sampling.
         seed: the sampling generator's seed.
+        top_p: sample among the likeliest tokens whose probabilities sum to ``top_p`` (text).
+        min_p: sample among tokens at least ``min_p`` times as likely as the likeliest (text).
+        repetition_penalty: penalise tokens already in the row (text; 1 = none).
+        eos_ids: stop ids (text; None: the model's own).
+        min_new_tokens: the stop ids are banned until this many tokens are generated (text).
+
+    The text options are checked by the model's ``generate`` (see
+    :class:`qkv.models.decoding.DecodingOptions`).
 
     Raises:
         ValueError / TypeError: ``beam_size`` not a positive int.
@@ -162,21 +170,47 @@ class DecodeOptions:
     top_k: int | None = None
     greedy: bool = True
     seed: int = 0
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    eos_ids: tuple[int, ...] | None = None
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("beam_size", self.beam_size)
 
+    def text_kwargs(self) -> dict[str, Any]:
+        """The keywords of :meth:`qkv.DecoderOnlyLM.generate` these options give (``eos_id``
+        only when :attr:`eos_ids` is set; the seed as a ``generator``)."""
+        kw: dict[str, Any] = {
+            "greedy": self.greedy,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_new_tokens,
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
+        if self.eos_ids is not None:
+            kw["eos_id"] = list(self.eos_ids)
+        return kw
+
 
 class SamplingKwargs(TypedDict, total=False):
     """:class:`DecodeOptions` as keywords, for a decoder that samples or decodes greedily (no
-    beams): ``max_new_tokens``, ``temperature``, ``top_k``, ``greedy``, ``seed``. The meanings
-    and defaults are :class:`DecodeOptions`'s."""
+    beams). The meanings and defaults are :class:`DecodeOptions`'s."""
 
     max_new_tokens: int | None
     temperature: float
     top_k: int | None
     greedy: bool
     seed: int
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float
+    eos_ids: tuple[int, ...] | None
+    min_new_tokens: int
 
 
 class DecodeKwargs(SamplingKwargs, total=False):

@@ -170,14 +170,10 @@ class TextTask:
         room = int(model.config.max_positions) - len(ids)  # type: ignore[union-attr,arg-type]
         n = options.max_new_tokens
         n = max(1, min(self.block_size, room)) if n is None else n
+        prompt = torch.tensor([ids])  # [1, P]
+        pad = torch.zeros_like(prompt, dtype=torch.bool)  # [1, P] every prompt token is real
         out = model.generate(  # type: ignore[operator]
-            torch.tensor([ids]),  # [1, P]
-            n,
-            temperature=options.temperature,
-            top_k=options.top_k,
-            greedy=options.greedy,
-            eos_id=EOS_ID,
-            generator=torch.Generator().manual_seed(options.seed),
+            prompt, n, padding_mask=pad, **{"eos_id": EOS_ID, **options.text_kwargs()}
         )  # [1, P + n']
         return list(out[0, len(ids) :].tolist())
 
