@@ -26,6 +26,7 @@ the cells under it, so a single large weight never drops out of view.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,17 +126,37 @@ def _labels_index(labels: Sequence[str] | None, table: list[list[str]], seen: di
     return int(seen[key])
 
 
+def _stats(w: Tensor, rows: int = 1024) -> dict:
+    """NaN, +inf and zero counts, the largest finite weight (None if none) and whether any weight
+    is negative (with the smallest), in blocks of ``rows`` rows: no ``[T, S]`` temporaries."""
+    nan = inf = zero = 0
+    top, low = -math.inf, math.inf
+    for block in w.split(rows):  # [rows, S]
+        nan += int(torch.count_nonzero(torch.isnan(block)))
+        inf += int(torch.count_nonzero(torch.isposinf(block)))
+        zero += int(torch.count_nonzero(block == 0))
+        finite = torch.nan_to_num(block, nan=0.0, posinf=0.0, neginf=-math.inf)  # [rows, S]
+        top, low = max(top, float(finite.max())), min(low, float(finite.min()))
+    found = nan + inf < w.numel()
+    return {
+        "nan": nan,
+        "inf": inf,
+        "zero": zero,
+        "max": top if found else None,
+        "negative": low < 0,
+        "min": low,
+    }
+
+
 def _encode(i: int, head: HeadMap, max_side: int, exact_cells: int) -> tuple[dict, list[str]]:
     """One map's description for the page and its ``<script>`` payloads."""
     w = head.weights.detach().to(device="cpu", dtype=torch.float32)  # [T, S]
     T, S = w.shape
-    nan = torch.isnan(w)
-    finite = torch.isfinite(w)
-    negative = (w < 0).any()
-    if bool(negative):
+    stats = _stats(w)
+    if stats.pop("negative"):
         raise ValueError(
             f"maps[{i}] ({head.title!r}): attention weights must be >= 0 (or NaN / +inf), got "
-            f"min {float(w[~nan].min()):.6g}"
+            f"min {stats.pop('min'):.6g}"
         )
     pooled, bt, bs = block_max(w, max_side, max_side)  # [R, C]
     codes = quantize(pooled)
@@ -145,7 +166,6 @@ def _encode(i: int, head: HeadMap, max_side: int, exact_cells: int) -> tuple[dic
     raw = w.numpy().astype("<f4").tobytes() if exact else b""
     if exact:
         payloads.append(f'<script type="text/plain" id="qkv-f32-{i}">{pack7(raw)}</script>')
-    top = w[finite]
     meta = {
         "title": head.title,
         "group": head.group,
@@ -160,10 +180,10 @@ def _encode(i: int, head: HeadMap, max_side: int, exact_cells: int) -> tuple[dic
         "error": codes.error,
         "pngBytes": len(png),
         "exactBytes": len(raw),
-        "max": float(top.max()) if top.numel() else None,
-        "nan": int(nan.sum()),
-        "inf": int(torch.isposinf(w).sum()),
-        "zero": int((w == 0).sum()),
+        "max": stats["max"],
+        "nan": stats["nan"],
+        "inf": stats["inf"],
+        "zero": stats["zero"],
     }
     return meta, payloads
 
