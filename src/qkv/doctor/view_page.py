@@ -21,7 +21,8 @@ h1 { font-size: 1.1em; font-weight: 600; margin: 0 0 0.5em; }
 #controls select { max-width: 32em; }
 #info { margin: 0.6em 0 0.2em; font-size: 12px; color: #555; }
 #info span { margin-right: 1.2em; }
-#readout { margin: 0.4em 0; min-height: 1.4em; font-family: ui-monospace, monospace; }
+#readout { margin: 0.4em 0; min-height: 1.4em; font-family: ui-monospace, monospace;
+  white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
 #view { display: flex; align-items: flex-start; gap: 1.2em; }
 #map-canvas { cursor: crosshair; touch-action: none; }
 #side { display: flex; flex-direction: column; gap: 0.6em; font-size: 12px; color: #555; }
@@ -160,7 +161,8 @@ function colour(head, scale) {
 
 // ---- the view: x, y (top-left, in map cells) and k (CSS pixels per cell) --------------------
 function layout() {
-  const side = Math.max(320, Math.min(window.innerWidth - 420, window.innerHeight - 200, 1100));
+  const below = canvas.getBoundingClientRect().top + MARGIN.top + MARGIN.bottom + 12;
+  const side = Math.max(320, Math.min(window.innerWidth - 420, window.innerHeight - below, 1100));
   plot = { x: MARGIN.left, y: MARGIN.top, w: side, h: side };
   const w = MARGIN.left + side + MARGIN.right, h = MARGIN.top + side + MARGIN.bottom;
   const dpr = window.devicePixelRatio || 1;
