@@ -17,6 +17,7 @@ import torch
 
 from qkv.apps.bench import CASES, format_table, run_benchmarks
 from qkv.apps.demo import print_demo, run_demo
+from qkv.apps.doctor import run_doctor
 from qkv.apps.embed import embed, format_embed
 from qkv.apps.shapes import trace_attention_shapes, trace_model_shapes
 from qkv.apps.training import run_generate, run_train
@@ -189,6 +190,25 @@ def add_embed_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="BERT checkpoint directory (default: all-MiniLM-L6-v2)"
     )
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention backend")
+
+
+def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
+    """``qkv doctor DIR --text TEXT... [--json] [--html OUT --capture PATTERN]``."""
+    p.add_argument("directory", help="a Hugging Face save_pretrained directory")
+    p.add_argument("--text", action="append", default=[], help="a text to run (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--html", default=None, metavar="OUT", help="write captured attention here")
+    p.add_argument(
+        "--capture",
+        default=None,
+        metavar="PATTERN",
+        help="regular expression of module paths whose attention to record",
+    )
+    p.add_argument(
+        "--attn-implementation",
+        default=None,
+        help="transformers attention implementation (default: the model's)",
+    )
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -434,6 +454,13 @@ _COMMANDS: tuple[tuple[str, str, str, _Adder, _Handler], ...] = (
         'qkv embed "A cat sits." "A dog runs." --backend blockwise',
         add_embed_arguments,
         _cmd_embed,
+    ),
+    (
+        "doctor",
+        "find silent attention bugs in a Hugging Face model (exit 1 on an error)",
+        'qkv doctor path/to/save_pretrained_model --text "Hello there" --text "Hi"',
+        add_doctor_arguments,
+        run_doctor,
     ),
     (
         "train",

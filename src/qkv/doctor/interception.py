@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import sys
 import threading
@@ -91,7 +92,27 @@ class _Frame:
 
     module: nn.Module
     implementation: str
+    query_shape: tuple[int, ...] | None = None
     kernel_seen: bool = False
+
+
+def _unpack_gqa(call: AttentionCall, frame: _Frame | None) -> AttentionCall:
+    """Undo ``transformers``' GQA packing of one decode query (``[B, H, 1, Dh]`` passed to
+    SDPA as ``[B, Hkv, H / Hkv, Dh]``, with a mask shared by every head and row), so rows are
+    positions again."""
+    shape = None if frame is None else frame.query_shape
+    q = call.query
+    if shape is None or tuple(q.shape) == shape or len(shape) != 4 or shape[2] != 1:
+        return call
+    if q.numel() != math.prod(shape):
+        return call
+    for m in (call.blocked, call.additive, call.bias):
+        if m is not None and (m.shape[1] != 1 or m.shape[2] != 1):
+            return call  # a mask per head or row: not the packing of one query
+    call.query = q.reshape(shape)  # [B, H, 1, Dh]
+    if call.output is not None:
+        call.output = call.output.reshape(shape[0], shape[1], 1, -1)  # [B, H, 1, Dv]
+    return call
 
 
 def active_watches() -> list[Watch]:
@@ -206,7 +227,12 @@ class WatchMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         assert reader is not None
         _mark_kernel()
-        self.watch.observe(lambda: reader(func, args, kwargs, out), current_module(), call_site())
+        frame = _local.frames[-1] if _local.frames else None
+        self.watch.observe(
+            lambda: _unpack_gqa(reader(func, args, kwargs, out), frame),
+            current_module(),
+            call_site(),
+        )
         return out
 
 
@@ -326,7 +352,9 @@ def _wrap_hf(implementation: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def watched_attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not _local.watches:
             return fn(module, *args, **kwargs)
-        frame = _Frame(module, implementation)
+        query = args[0] if args else kwargs.get("query")
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else None
+        frame = _Frame(module, implementation, shape)
         _local.frames.append(frame)
         try:
             out = fn(module, *args, **kwargs)
@@ -358,7 +386,7 @@ def _install_hf() -> None:
         name = "eager" if fn is default else str(attn_implementation)
         return _wrap_hf(name, fn)
 
-    AttentionInterface.get_interface = get_interface  # type: ignore[method-assign]
+    AttentionInterface.get_interface = get_interface
     _hf_original.append((AttentionInterface, original))
 
 

@@ -6,12 +6,15 @@ Shapes: T queries, S keys.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
 from qkv.doctor.findings import Finding
+from qkv.doctor.view import HeadMap, save_attention_html
 
 __all__ = ["Captured", "Report"]
 
@@ -100,6 +103,43 @@ class Report:
                 return c.weights
         have = sorted({(c.name, c.call) for c in self.captured})
         raise KeyError(f"no capture of {name!r} call {call}; captured: {have}")
+
+    def save_html(
+        self, path: str | os.PathLike[str], tokens: list[str] | None = None, title: str = ""
+    ) -> Path:
+        """Write the captured attention as one self-contained page (canvas, overview + zoom).
+
+        Args:
+            path: the file to write.
+            tokens: labels of the positions (queries take the last ``T``, keys the first ``S``,
+                where there are enough).
+            title: the page's title.
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: nothing was captured (pass ``capture=`` to the watch).
+        """
+        if not self.captured:
+            raise ValueError("nothing was captured: pass capture=PATTERN to qkv.doctor.watch")
+        maps = []
+        for c in self.captured:
+            T, S = c.weights.shape[-2], c.weights.shape[-1]
+            q_labels = tokens[-T:] if tokens is not None and len(tokens) >= T else None
+            k_labels = tokens[:S] if tokens is not None and len(tokens) >= S else None
+            for i, b in enumerate(c.samples):
+                for j, h in enumerate(c.heads):
+                    maps.append(
+                        HeadMap(
+                            title=f"{c.name} · call {c.call} · sample {b} · head {h}",
+                            weights=c.weights[i, j],  # [T, S]
+                            query_labels=q_labels,
+                            key_labels=k_labels,
+                            group=c.name,
+                        )
+                    )
+        return save_attention_html(path, maps, title=title or "qkv doctor: attention")
 
     def __str__(self) -> str:
         head = f"qkv doctor: {self.calls} attention calls, "
