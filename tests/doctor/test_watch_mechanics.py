@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +127,9 @@ def test_every_required_kind_is_documented() -> None:
 def test_bad_arguments_are_clear(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match), doctor.watch(**kwargs):
         pass
+
+
+def test_the_readme_documents_every_kind_as_the_code_does() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    for kind, doc in doctor.KINDS.items():
+        assert f"| `{kind}` | {doc.symptom} | {doc.cause} | {doc.fix} |" in readme, kind
