@@ -395,9 +395,9 @@ function describe(h, row, col) {
   return out;
 }
 
-function hoverAt(mx, my) {
-  const h = state.head, v = state.view;
-  const col = Math.floor(v.x + (mx - plot.x) / v.k), row = Math.floor(v.y + (my - plot.y) / v.k);
+function hoverAt(mx, my) {  // the cell drawn at the centre of the pixel under the pointer
+  const h = state.head, v = state.view, px = Math.floor(mx) + 0.5, py = Math.floor(my) + 0.5;
+  const col = Math.floor(v.x + (px - plot.x) / v.k), row = Math.floor(v.y + (py - plot.y) / v.k);
   const inside = mx >= plot.x && my >= plot.y && mx < plot.x + plot.w && my < plot.y + plot.h;
   if (!inside || row < 0 || col < 0 || row >= h.rows || col >= h.cols) {
     if (state.hover) { state.hover = null; showReadout(); draw(); }
@@ -643,10 +643,15 @@ window.qkvView = {
     zoomCells(Math.floor(t0 / bt), Math.floor(s0 / bs), Math.ceil(t1 / bt), Math.ceil(s1 / bs));
     draw();
   },
-  cellCenter: (t, s) => {  // client coordinates of the centre of the cell holding (t, s), or null
-    const m = state.head.m, v = state.view, r = canvas.getBoundingClientRect();
-    const x = plot.x + (Math.floor(s / m.bs) + 0.5 - v.x) * v.k;
-    const y = plot.y + (Math.floor(t / m.bt) + 0.5 - v.y) * v.k;
+  cellCenter: (t, s) => {  // client coordinates of the centre of the drawn cell of (t, s)
+    const h = state.head, m = h.m, v = state.view, r = canvas.getBoundingClientRect();
+    const f = levelFor(v.k).f;  // zoomed out, the block of f x f cells drawn as one
+    const mid = (cell, n) => {
+      const first = Math.floor(cell / f) * f;
+      return (first + Math.min(n, first + f)) / 2;
+    };
+    const x = plot.x + (mid(Math.floor(s / m.bs), h.cols) - v.x) * v.k;
+    const y = plot.y + (mid(Math.floor(t / m.bt), h.rows) - v.y) * v.k;
     const inside = x >= plot.x && y >= plot.y && x < plot.x + plot.w && y < plot.y + plot.h;
     return inside ? { x: r.left + x, y: r.top + y } : null;
   },
