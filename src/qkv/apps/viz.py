@@ -229,7 +229,5 @@ def run_plot(args: argparse.Namespace) -> int:
         )
     if args.html is not None:
         page = write_attention_page(maps, args.html, kinds, title)
-        print(
-            f"interactive attention page (pick kind, layer, head; hover a cell) written to {page}"
-        )
+        print(f"interactive attention page (group, head, zoom; hover a cell) written to {page}")
     return 0

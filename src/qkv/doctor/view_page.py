@@ -3,8 +3,10 @@
 The script reads the maps' description (``<script id="qkv-data">``), and decodes one map at a time
 from its ``<script id="qkv-png-I">`` text (:func:`qkv.doctor.view_encode.pack7` of an 8-bit PNG):
 the bytes go to the browser's own PNG decoder (``createImageBitmap``), the codes come back through
-a canvas, and a pyramid of 2 x 2 block maxima lets every zoom level draw each cell at least one
-pixel wide, so no weight drops out of a zoomed-out view. ``window.qkvView`` is the page's API for
+a canvas. Zoomed out, the map is drawn from its block maxima (a power of 2 per axis, built when
+first needed, a few kept), each block at least one pixel wide and tall, so no weight drops out of
+the view. Cells are square, except that the short side of an elongated map (the one query of a
+decoding step) is stretched to at least 24 pixels. ``window.qkvView`` is the page's API for
 probes (tests, ``benchmarks/view.py``): ``ready``, ``select(i)``, ``idle()`` (the promise of the
 latest switch, however it was asked for), ``cellCenter(t, s)``, ``zoomTo(t0, s0, t1, s1)``,
 ``pixel(x, y)``, ``state()``, ``timings``.
@@ -42,6 +44,7 @@ const $ = (id) => document.getElementById(id);
 const LIGHT = [255, 255, 255], DARK = [8, 48, 107];  // the PNG plot's scale, white to dark blue
 const NAN_RGB = [255, 0, 255], INF_RGB = [255, 140, 0];
 const MAX_CELL = 64;  // the most CSS pixels one cell may take when zoomed in
+const STRIP = 24;  // the least height (width) of a cell of a map with few rows (columns)
 const OVERVIEW = 200;  // the overview's longer side, CSS pixels
 const MARGIN = { left: 124, top: 100, right: 8, bottom: 8 };
 const state = { index: -1, scale: META.scale, head: null, view: null, hover: null, token: 0 };
@@ -74,23 +77,33 @@ function unpack7(text, n) {
   return out;
 }
 
-function pyramid(codes, rows, cols) {
-  const levels = [{ f: 1, rows, cols, codes }];
-  let cur = levels[0];
-  while (Math.max(cur.rows, cur.cols) > 32) {  // 2 x 2 block maxima (codes grow with weights)
-    const r2 = Math.ceil(cur.rows / 2), c2 = Math.ceil(cur.cols / 2);
-    const out = new Uint8Array(r2 * c2);
-    for (let r = 0; r < cur.rows; r++) {
-      const base = (r >> 1) * c2, row = r * cur.cols;
-      for (let c = 0; c < cur.cols; c++) {
-        const v = cur.codes[row + c], j = base + (c >> 1);
-        if (v > out[j]) out[j] = v;
+function level(h, fx, fy) {  // the map pooled by fy x fx block maxima, coloured; a few are kept
+  const key = `${fx},${fy}`;
+  let lv = h.levels.get(key);
+  if (lv) return lv;
+  const rows = Math.ceil(h.rows / fy), cols = Math.ceil(h.cols / fx);
+  let codes = h.codes;
+  if (fx > 1 || fy > 1) {  // codes grow with weights (NaN on top): the max code is the max
+    codes = new Uint8Array(rows * cols);
+    const sx = Math.log2(fx), sy = Math.log2(fy);
+    for (let r = 0; r < h.rows; r++) {
+      const base = (r >> sy) * cols, row = r * h.cols;
+      for (let c = 0; c < h.cols; c++) {
+        const v = h.codes[row + c], j = base + (c >> sx);
+        if (v > codes[j]) codes[j] = v;
       }
     }
-    cur = { f: cur.f * 2, rows: r2, cols: c2, codes: out };
-    levels.push(cur);
   }
-  return levels;
+  const img = new ImageData(cols, rows), px = new Uint32Array(img.data.buffer);
+  for (let k = 0; k < codes.length; k++) px[k] = h.lut[codes[k]];
+  const cv = document.createElement("canvas");
+  cv.width = cols;
+  cv.height = rows;
+  cv.getContext("2d").putImageData(img, 0, 0);
+  lv = { fx, fy, rows, cols, canvas: cv };
+  h.levels.set(key, lv);
+  if (h.levels.size > 6) h.levels.delete(h.levels.keys().next().value);
+  return lv;
 }
 
 async function decodeHead(i) {
@@ -109,7 +122,7 @@ async function decodeHead(i) {
   for (let k = 0; k < codes.length; k++) codes[k] = rgba[4 * k];
   const exact = m.exactBytes ? new DataView(unpack7($(`qkv-f32-${i}`).textContent,
     m.exactBytes).buffer) : null;
-  return { i, m, rows: m.rows, cols: m.cols, codes, exact, levels: pyramid(codes, m.rows, m.cols) };
+  return { i, m, rows: m.rows, cols: m.cols, codes, exact, levels: new Map(), scale: null };
 }
 
 // ---- colour ------------------------------------------------------------------------------------
@@ -145,21 +158,12 @@ function palette(m, scale) {
 }
 
 function colour(head, scale) {
-  const lut = palette(head.m, scale);
-  for (const lv of head.levels) {
-    if (!lv.canvas) {
-      lv.canvas = document.createElement("canvas");
-      lv.canvas.width = lv.cols;
-      lv.canvas.height = lv.rows;
-    }
-    const img = new ImageData(lv.cols, lv.rows), px = new Uint32Array(img.data.buffer);
-    for (let k = 0; k < lv.codes.length; k++) px[k] = lut[lv.codes[k]];
-    lv.canvas.getContext("2d").putImageData(img, 0, 0);
-  }
+  head.lut = palette(head.m, scale);
+  head.levels = new Map();
   head.scale = scale;
 }
 
-// ---- the view: x, y (top-left, in map cells) and k (CSS pixels per cell) --------------------
+// ---- the view: x, y (top-left, in map cells), z (zoom, 1 = fit), kx and ky (pixels per cell) ---
 function layout() {
   const below = canvas.getBoundingClientRect().top + MARGIN.top + MARGIN.bottom + 12;
   const side = Math.max(320, Math.min(window.innerWidth - 420, window.innerHeight - below, 1100));
@@ -172,32 +176,40 @@ function layout() {
   canvas.height = Math.round(h * dpr);
 }
 
-const fitK = (h) => Math.min(plot.w / h.cols, plot.h / h.rows);
+// Pixels per cell that show the whole map in w x h: square cells, except that the short side of
+// an elongated map (one query of a decoding step: 1 x S) is stretched to at least `least`.
+function fitScales(w, h, rows, cols, least) {
+  const k = Math.min(w / cols, h / rows);
+  return [Math.min(w / cols, Math.max(k, least)), Math.min(h / rows, Math.max(k, least))];
+}
 
 function clampView(v) {
-  const h = state.head, k0 = fitK(h);
-  v.k = Math.min(Math.max(v.k, k0), Math.max(k0, MAX_CELL));
-  v.x = Math.min(Math.max(v.x, 0), Math.max(0, h.cols - plot.w / v.k));
-  v.y = Math.min(Math.max(v.y, 0), Math.max(0, h.rows - plot.h / v.k));
+  const h = state.head, [k0x, k0y] = fitScales(plot.w, plot.h, h.rows, h.cols, STRIP);
+  const top = (k0) => Math.max(k0, MAX_CELL);
+  v.z = Math.min(Math.max(v.z, 1), Math.max(top(k0x) / k0x, top(k0y) / k0y));
+  v.kx = Math.min(k0x * v.z, top(k0x));
+  v.ky = Math.min(k0y * v.z, top(k0y));
+  v.x = Math.min(Math.max(v.x, 0), Math.max(0, h.cols - plot.w / v.kx));
+  v.y = Math.min(Math.max(v.y, 0), Math.max(0, h.rows - plot.h / v.ky));
   return v;
 }
 
-function levelFor(k) {  // the finest level whose cells are at least one pixel wide
-  const levels = state.head.levels;
-  let i = 0;
-  while (i + 1 < levels.length && levels[i].f * k < 1) i++;
-  return levels[i];
-}
+// The pooling that draws every cell at least one pixel wide and tall: a power of 2 per axis.
+const pooling = (k) => (k >= 1 ? 1 : Math.pow(2, Math.ceil(Math.log2(1 / k))));
+const levelFor = (kx, ky) => level(state.head, pooling(kx), pooling(ky));
 
 function zoomCells(r0, c0, r1, c1) {  // show map cells [r0, r1) x [c0, c1)
-  const k = Math.min(plot.w / Math.max(1, c1 - c0), plot.h / Math.max(1, r1 - r0));
-  state.view = clampView({ x: c0, y: r0, k });
+  const h = state.head, [k0x, k0y] = fitScales(plot.w, plot.h, h.rows, h.cols, STRIP);
+  const z = Math.min(plot.w / Math.max(1, c1 - c0) / k0x, plot.h / Math.max(1, r1 - r0) / k0y);
+  state.view = clampView({ x: c0, y: r0, z });
 }
 
-function zoomAt(px, py, factor) {
-  const v = state.view, cx = v.x + (px - plot.x) / v.k, cy = v.y + (py - plot.y) / v.k;
-  const k = v.k * factor;
-  state.view = clampView({ x: cx - (px - plot.x) / k, y: cy - (py - plot.y) / k, k });
+function zoomAt(px, py, factor) {  // the cell under (px, py) stays there
+  const v = state.view, cx = v.x + (px - plot.x) / v.kx, cy = v.y + (py - plot.y) / v.ky;
+  const next = clampView({ x: 0, y: 0, z: v.z * factor });
+  next.x = cx - (px - plot.x) / next.kx;
+  next.y = cy - (py - plot.y) / next.ky;
+  state.view = clampView(next);
   redraw(true);
 }
 
@@ -226,28 +238,28 @@ function niceStep(x) {
 
 function drawAxes(h, v) {
   const m = h.m, hot = state.hover;
-  const r0 = Math.floor(v.y), r1 = Math.min(h.rows, Math.ceil(v.y + plot.h / v.k));
-  const c0 = Math.floor(v.x), c1 = Math.min(h.cols, Math.ceil(v.x + plot.w / v.k));
-  const named = v.k >= 9;
-  const size = named ? Math.min(12, Math.floor(v.k) - 1) : 11;
-  ctx.font = `${size}px ui-monospace, monospace`;
+  const r0 = Math.floor(v.y), r1 = Math.min(h.rows, Math.ceil(v.y + plot.h / v.ky));
+  const c0 = Math.floor(v.x), c1 = Math.min(h.cols, Math.ceil(v.x + plot.w / v.kx));
+  const font = (k) => `${k >= 9 ? Math.min(12, Math.floor(k) - 1) : 11}px ui-monospace, monospace`;
+  const text = (axis, cell, k, n) =>
+    k >= 9 ? clip(cellLabel(m, axis, cell), n) : String(span(m, axis, cell)[0]);
   ctx.textBaseline = "middle";
-  const step = named ? 1 : niceStep(44 / v.k);
+  ctx.font = font(v.ky);
   ctx.textAlign = "right";
-  for (let r = Math.ceil(r0 / step) * step; r < r1; r += step) {
-    const y = plot.y + (r - v.y + 0.5) * v.k;
+  const stepR = v.ky >= 9 ? 1 : niceStep(30 / v.ky);
+  for (let r = Math.ceil(r0 / stepR) * stepR; r < r1; r += stepR) {
     ctx.fillStyle = hot && hot.row === r ? "#d62728" : "#333";
-    ctx.fillText(named ? clip(cellLabel(m, "q", r), 16) : String(span(m, "q", r)[0]),
-      plot.x - 4, y);
+    ctx.fillText(text("q", r, v.ky, 16), plot.x - 4, plot.y + (r - v.y + 0.5) * v.ky);
   }
+  ctx.font = font(v.kx);
   ctx.textAlign = "left";
-  for (let c = Math.ceil(c0 / step) * step; c < c1; c += step) {
-    const x = plot.x + (c - v.x + 0.5) * v.k;
+  const stepC = v.kx >= 9 ? 1 : niceStep(30 / v.kx);
+  for (let c = Math.ceil(c0 / stepC) * stepC; c < c1; c += stepC) {
     ctx.save();
-    ctx.translate(x, plot.y - 4);
+    ctx.translate(plot.x + (c - v.x + 0.5) * v.kx, plot.y - 4);
     ctx.rotate(-Math.PI / 2);
     ctx.fillStyle = hot && hot.col === c ? "#d62728" : "#333";
-    ctx.fillText(named ? clip(cellLabel(m, "k", c), 14) : String(span(m, "k", c)[0]), 0, 0);
+    ctx.fillText(text("k", c, v.kx, 14), 0, 0);
     ctx.restore();
   }
   ctx.fillStyle = "#777";
@@ -263,42 +275,40 @@ function draw() {
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   ctx.fillStyle = "#f2f2f2";
   ctx.fillRect(plot.x, plot.y, plot.w, plot.h);
-  const lv = levelFor(v.k), f = lv.f;
-  const c0 = Math.floor(v.x / f), r0 = Math.floor(v.y / f);
-  const c1 = Math.min(lv.cols, Math.ceil((v.x + plot.w / v.k) / f));
-  const r1 = Math.min(lv.rows, Math.ceil((v.y + plot.h / v.k) / f));
-  const mapW = Math.min(plot.w, (h.cols - v.x) * v.k);
-  const mapH = Math.min(plot.h, (h.rows - v.y) * v.k);
+  const lv = levelFor(v.kx, v.ky), fx = lv.fx, fy = lv.fy;
+  const c0 = Math.floor(v.x / fx), r0 = Math.floor(v.y / fy);
+  const c1 = Math.min(lv.cols, Math.ceil((v.x + plot.w / v.kx) / fx));
+  const r1 = Math.min(lv.rows, Math.ceil((v.y + plot.h / v.ky) / fy));
+  const mapW = Math.min(plot.w, (h.cols - v.x) * v.kx);
+  const mapH = Math.min(plot.h, (h.rows - v.y) * v.ky);
   ctx.save();
   ctx.beginPath();
   ctx.rect(plot.x, plot.y, mapW, mapH);
   ctx.clip();
   ctx.imageSmoothingEnabled = false;
-  ctx.drawImage(lv.canvas, c0, r0, c1 - c0, r1 - r0, plot.x + (c0 * f - v.x) * v.k,
-    plot.y + (r0 * f - v.y) * v.k, (c1 - c0) * f * v.k, (r1 - r0) * f * v.k);
-  if (v.k >= 14) {  // cell borders once cells are large
-    ctx.strokeStyle = "rgba(0, 0, 0, 0.08)";
-    ctx.lineWidth = 1;
-    ctx.beginPath();
-    for (let c = Math.ceil(v.x); c <= Math.min(h.cols, v.x + plot.w / v.k); c++) {
-      const x = Math.round(plot.x + (c - v.x) * v.k) + 0.5;
-      ctx.moveTo(x, plot.y);
-      ctx.lineTo(x, plot.y + mapH);
-    }
-    for (let r = Math.ceil(v.y); r <= Math.min(h.rows, v.y + plot.h / v.k); r++) {
-      const y = Math.round(plot.y + (r - v.y) * v.k) + 0.5;
-      ctx.moveTo(plot.x, y);
-      ctx.lineTo(plot.x + mapW, y);
-    }
-    ctx.stroke();
+  ctx.drawImage(lv.canvas, c0, r0, c1 - c0, r1 - r0, plot.x + (c0 * fx - v.x) * v.kx,
+    plot.y + (r0 * fy - v.y) * v.ky, (c1 - c0) * fx * v.kx, (r1 - r0) * fy * v.ky);
+  ctx.strokeStyle = "rgba(0, 0, 0, 0.08)";  // cell borders once cells are large
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  for (let c = Math.ceil(v.x); v.kx >= 14 && c <= Math.min(h.cols, v.x + plot.w / v.kx); c++) {
+    const x = Math.round(plot.x + (c - v.x) * v.kx) + 0.5;
+    ctx.moveTo(x, plot.y);
+    ctx.lineTo(x, plot.y + mapH);
   }
+  for (let r = Math.ceil(v.y); v.ky >= 14 && r <= Math.min(h.rows, v.y + plot.h / v.ky); r++) {
+    const y = Math.round(plot.y + (r - v.y) * v.ky) + 0.5;
+    ctx.moveTo(plot.x, y);
+    ctx.lineTo(plot.x + mapW, y);
+  }
+  ctx.stroke();
   const hot = state.hover;
   if (hot) {
     const b = hot.block || [hot.row, hot.col, hot.row + 1, hot.col + 1];
     ctx.strokeStyle = "#d62728";
     ctx.lineWidth = 2;
-    ctx.strokeRect(plot.x + (b[1] - v.x) * v.k - 1, plot.y + (b[0] - v.y) * v.k - 1,
-      (b[3] - b[1]) * v.k + 2, (b[2] - b[0]) * v.k + 2);
+    ctx.strokeRect(plot.x + (b[1] - v.x) * v.kx - 1, plot.y + (b[0] - v.y) * v.ky - 1,
+      (b[3] - b[1]) * v.kx + 2, (b[2] - b[0]) * v.ky + 2);
   }
   ctx.restore();
   if (drag && drag.box) {
@@ -309,26 +319,29 @@ function draw() {
   }
   drawAxes(h, v);
   drawOverview(h, v);
-  $("zoom-note").textContent = f > 1
-    ? `zoomed out: each drawn cell is the max of ${f} × ${f} cells; zoom in for single cells`
-    : "";
+  $("zoom-note").textContent = fx > 1 || fy > 1
+    ? `zoomed out: each drawn cell is the max of ${fy} × ${fx} cells (queries × keys); ` +
+      "zoom in for single cells" : "";
 }
 
+const overviewScales = (h) => fitScales(OVERVIEW, OVERVIEW, h.rows, h.cols, 6);
+
 function drawOverview(h, v) {
-  const s = Math.min(OVERVIEW / h.cols, OVERVIEW / h.rows);
-  const w = Math.max(1, Math.round(h.cols * s)), hh = Math.max(1, Math.round(h.rows * s));
+  const [sx, sy] = overviewScales(h);
+  const w = Math.max(1, Math.round(h.cols * sx)), hh = Math.max(1, Math.round(h.rows * sy));
   if (ovCanvas.width !== w || ovCanvas.height !== hh) {
     ovCanvas.width = w;
     ovCanvas.height = hh;
   }
-  const lv = levelFor(s);
+  const lv = levelFor(sx, sy);
   ovCtx.imageSmoothingEnabled = false;
   ovCtx.clearRect(0, 0, w, hh);
-  ovCtx.drawImage(lv.canvas, 0, 0, lv.cols, lv.rows, 0, 0, lv.cols * lv.f * s, lv.rows * lv.f * s);
+  ovCtx.drawImage(lv.canvas, 0, 0, lv.cols, lv.rows, 0, 0, lv.cols * lv.fx * sx,
+    lv.rows * lv.fy * sy);
   ovCtx.strokeStyle = "#d62728";
   ovCtx.lineWidth = 2;
-  const seen = (n) => Math.max(2, (n / v.k) * s);
-  ovCtx.strokeRect(v.x * s, v.y * s, seen(plot.w), seen(plot.h));
+  ovCtx.strokeRect(v.x * sx, v.y * sy, Math.max(2, (plot.w / v.kx) * sx),
+    Math.max(2, (plot.h / v.ky) * sy));
 }
 
 function drawLegend() {
@@ -395,24 +408,24 @@ function describe(h, row, col) {
   return out;
 }
 
-function hoverAt(mx, my) {
-  const h = state.head, v = state.view;
-  const col = Math.floor(v.x + (mx - plot.x) / v.k), row = Math.floor(v.y + (my - plot.y) / v.k);
+function hoverAt(mx, my) {  // the cell drawn at the centre of the pixel under the pointer
+  const h = state.head, v = state.view, px = Math.floor(mx) + 0.5, py = Math.floor(my) + 0.5;
+  const col = Math.floor(v.x + (px - plot.x) / v.kx), row = Math.floor(v.y + (py - plot.y) / v.ky);
   const inside = mx >= plot.x && my >= plot.y && mx < plot.x + plot.w && my < plot.y + plot.h;
   if (!inside || row < 0 || col < 0 || row >= h.rows || col >= h.cols) {
     if (state.hover) { state.hover = null; showReadout(); draw(); }
     return;
   }
-  const f = levelFor(v.k).f;
-  let hot = { row, col, block: null, f };
-  if (f > 1) {  // the drawn cell is the max of an f x f block: point at the cell that holds it
-    const br = row - (row % f), bc = col - (col % f);
-    const re = Math.min(h.rows, br + f), ce = Math.min(h.cols, bc + f);
+  const fx = pooling(v.kx), fy = pooling(v.ky);
+  let hot = { row, col, block: null, fx, fy };
+  if (fx > 1 || fy > 1) {  // the drawn cell is a block's max: point at the cell that holds it
+    const br = row - (row % fy), bc = col - (col % fx);
+    const re = Math.min(h.rows, br + fy), ce = Math.min(h.cols, bc + fx);
     let best = -1;
     for (let r = br; r < re; r++) {
       for (let c = bc; c < ce; c++) {
         const code = h.codes[r * h.cols + c];
-        if (code > best) { best = code; hot = { row: r, col: c, block: [br, bc, re, ce], f }; }
+        if (code > best) { best = code; hot = { row: r, col: c, block: [br, bc, re, ce], fx, fy }; }
       }
     }
   }
@@ -432,7 +445,7 @@ function showReadout() {
   const q = d.t === d.t1 ? `query ${d.t}` : `queries ${d.t}–${d.t1}`;
   const k = d.s === d.s1 ? `key ${d.s}` : `keys ${d.s}–${d.s1}`;
   const what = d.t === d.t1 && d.s === d.s1 ? "weight" : "max weight";
-  const note = hot.block ? ` (the max of the ${hot.f} × ${hot.f} cells drawn here)` : "";
+  const note = hot.block ? ` (the max of the ${hot.fy} × ${hot.fx} cells drawn here)` : "";
   out.textContent =
     `${q} ${JSON.stringify(d.query)} -> ${k} ${JSON.stringify(d.key)}: ${what} ${d.shown}${note}`;
 }
@@ -472,7 +485,7 @@ function hashText(withZoom) {
   let text = `map=${state.index}&scale=${state.scale}`;
   if (withZoom && state.view && state.head) {
     const v = state.view, r = (x) => Math.round(x);
-    text += `&zoom=${r(v.y)},${r(v.x)},${r(v.y + plot.h / v.k)},${r(v.x + plot.w / v.k)}`;
+    text += `&zoom=${r(v.y)},${r(v.x)},${r(v.y + plot.h / v.ky)},${r(v.x + plot.w / v.kx)}`;
   }
   return text;
 }
@@ -509,12 +522,13 @@ async function select(i, scale = state.scale, zoom = null) {
   state.index = i;
   state.scale = scale;
   if (head.scale !== scale) colour(head, scale);
-  if (zoom) zoomCells(...zoom);
-  else if (!same || !state.view) state.view = clampView({ x: 0, y: 0, k: fitK(head) });
-  else state.view = clampView(state.view);
-  state.hover = null;
   fillPickers(i);
   showInfo(head.m);
+  layout();  // the info line above may have changed height
+  if (zoom) zoomCells(...zoom);
+  else if (!same || !state.view) state.view = clampView({ x: 0, y: 0, z: 1 });
+  else state.view = clampView(state.view);
+  state.hover = null;
   drawLegend();
   showReadout();
   draw();
@@ -554,14 +568,14 @@ window.addEventListener("mousemove", (e) => {
   if (!drag) { if (e.target === canvas) hoverAt(x, y); return; }
   if (drag.box) { drag.x1 = x; drag.y1 = y; draw(); return; }
   const v = state.view;
-  const pan = { x: drag.vx - (x - drag.x) / v.k, y: drag.vy - (y - drag.y) / v.k, k: v.k };
+  const pan = { x: drag.vx - (x - drag.x) / v.kx, y: drag.vy - (y - drag.y) / v.ky, z: v.z };
   state.view = clampView(pan);
   redraw(true);
 });
 window.addEventListener("mouseup", () => {
   if (drag && drag.box && Math.abs(drag.x1 - drag.x0) > 4 && Math.abs(drag.y1 - drag.y0) > 4) {
-    const v = state.view, col = (px) => v.x + (px - plot.x) / v.k;
-    const row = (py) => v.y + (py - plot.y) / v.k;
+    const v = state.view, col = (px) => v.x + (px - plot.x) / v.kx;
+    const row = (py) => v.y + (py - plot.y) / v.ky;
     const c0 = col(Math.min(drag.x0, drag.x1)), c1 = col(Math.max(drag.x0, drag.x1));
     const r0 = row(Math.min(drag.y0, drag.y1)), r1 = row(Math.max(drag.y0, drag.y1));
     drag = null;
@@ -585,10 +599,9 @@ canvas.addEventListener("wheel", (e) => {
 canvas.addEventListener("dblclick", () => fitAll());
 const fromOverview = (e) => {
   if (!state.head || !(e.buttons & 1)) return;
-  const r = ovCanvas.getBoundingClientRect(), h = state.head, v = state.view;
-  const s = Math.min(OVERVIEW / h.cols, OVERVIEW / h.rows);
-  const cx = (e.clientX - r.left) / s, cy = (e.clientY - r.top) / s;
-  state.view = clampView({ x: cx - plot.w / v.k / 2, y: cy - plot.h / v.k / 2, k: v.k });
+  const r = ovCanvas.getBoundingClientRect(), v = state.view, [sx, sy] = overviewScales(state.head);
+  const cx = (e.clientX - r.left) / sx, cy = (e.clientY - r.top) / sy;
+  state.view = clampView({ x: cx - plot.w / v.kx / 2, y: cy - plot.h / v.ky / 2, z: v.z });
   redraw(true);
 };
 ovCanvas.addEventListener("mousedown", fromOverview);
@@ -604,7 +617,7 @@ $("scale").addEventListener("change", () => choose(state.index, $("scale").value
 $("prev").addEventListener("click", () => step(-1));
 $("next").addEventListener("click", () => step(1));
 const fitAll = () => {
-  state.view = clampView({ x: 0, y: 0, k: 0 });
+  state.view = clampView({ x: 0, y: 0, z: 1 });
   redraw(true);
 };
 const zoomCentre = (factor) => zoomAt(plot.x + plot.w / 2, plot.y + plot.h / 2, factor);
@@ -643,10 +656,14 @@ window.qkvView = {
     zoomCells(Math.floor(t0 / bt), Math.floor(s0 / bs), Math.ceil(t1 / bt), Math.ceil(s1 / bs));
     draw();
   },
-  cellCenter: (t, s) => {  // client coordinates of the centre of the cell holding (t, s), or null
-    const m = state.head.m, v = state.view, r = canvas.getBoundingClientRect();
-    const x = plot.x + (Math.floor(s / m.bs) + 0.5 - v.x) * v.k;
-    const y = plot.y + (Math.floor(t / m.bt) + 0.5 - v.y) * v.k;
+  cellCenter: (t, s) => {  // client coordinates of the centre of the drawn cell of (t, s)
+    const h = state.head, m = h.m, v = state.view, r = canvas.getBoundingClientRect();
+    const mid = (cell, f, n) => {  // zoomed out, the f cells drawn as one
+      const first = Math.floor(cell / f) * f;
+      return (first + Math.min(n, first + f)) / 2;
+    };
+    const x = plot.x + (mid(Math.floor(s / m.bs), pooling(v.kx), h.cols) - v.x) * v.kx;
+    const y = plot.y + (mid(Math.floor(t / m.bt), pooling(v.ky), h.rows) - v.y) * v.ky;
     const inside = x >= plot.x && y >= plot.y && x < plot.x + plot.w && y < plot.y + plot.h;
     return inside ? { x: r.left + x, y: r.top + y } : null;
   },
@@ -658,7 +675,9 @@ window.qkvView = {
   state: () => ({
     index: state.index, title: state.head && state.head.m.title, scale: state.scale,
     rows: state.head && state.head.rows, cols: state.head && state.head.cols,
-    k: state.view && state.view.k, f: state.head && levelFor(state.view.k).f,
+    kx: state.view && state.view.kx, ky: state.view && state.view.ky,
+    k: state.view && Math.min(state.view.kx, state.view.ky),
+    f: state.view && Math.max(pooling(state.view.kx), pooling(state.view.ky)),
   }),
 };
 
@@ -690,14 +709,14 @@ PAGE = """<!DOCTYPE html>
 <button id="zoom-in" title="zoom in (+)">+</button>
 <button id="zoom-out" title="zoom out (-)">&minus;</button></span>
 </div>
-<div id="info"><span id="dims"></span><span id="pooling"></span><span id="quant"></span>
-<span id="zoom-note"></span></div>
+<div id="info"><span id="dims"></span><span id="pooling"></span><span id="quant"></span></div>
 <div id="readout">hover a cell</div>
 <div id="view">
 <canvas id="map-canvas"></canvas>
 <div id="side">
 <canvas id="overview" width="1" height="1"></canvas>
 <div>overview: click or drag to move the view</div>
+<div id="zoom-note" class="help"></div>
 <div id="legend"><canvas id="legend-bar" width="16" height="160"></canvas>
 <div id="legend-ticks"></div></div>
 <div><span class="swatch" style="background: #fff"></span>0 (blocked)</div>
