@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from buggy import BUGS, CachedStep, Tiny, attention_mask
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -121,3 +122,32 @@ def test_flex_attention_mask_mod_is_read(uses_padding: bool) -> None:
         (f,) = report.findings
         assert (f.kind, f.where.split(" ")[0]) == ("padding_leak", "_Flex")
         assert "test_watch_bugs.py" in f.where
+
+
+class _Mixing(torch.nn.Module):
+    """Masks laid out across the batch: a [B*H] mask built with repeat, a [B, T, S] to SDPA."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pad = attention_mask == 0  # [B, S], True = padding
+        B, T = pad.shape
+        per_query = pad[:, None, :].expand(B, T, T)  # [B, T, S]
+        if self.how == "repeat":  # nn.MultiheadAttention wants index b * H + h
+            return self.mha(x, x, x, attn_mask=per_query.repeat(2, 1, 1))[0]
+        q = x.view(B, T, 2, 4).transpose(1, 2)  # [B, H, T, Dh]
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=~per_query)  # read as [H, T, S]
+
+
+@pytest.mark.parametrize("how", ["repeat", "three_d"])
+def test_a_mask_laid_out_across_the_batch_is_mask_broadcast(how: str) -> None:
+    model = _Mixing(how)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])  # B == H == 2
+    with torch.no_grad(), doctor.watch(model) as report:
+        model(torch.randn(2, 4, 8), mask)
+    found = report.by_kind("mask_broadcast")
+    assert found, str(report)
+    assert found[0].evidence["mask_of_sample"] == 1 and found[0].evidence["sample"] == 0

@@ -12,6 +12,7 @@ import warnings
 import hf_models as hm
 import pytest
 import torch
+import transformers
 
 import qkv
 from qkv import doctor
@@ -91,4 +92,26 @@ def test_qkv_models_are_clean() -> None:
             watched = lm(ids, padding_mask=padding)
     assert torch.equal(unwatched, watched)
     assert report.calls == 2
+    _assert_clean(report)
+
+
+def test_a_sliding_window_is_not_mistaken_for_a_broadcast_mask() -> None:
+    """Mistral's window blocks a prefix of keys, as left padding does: no leak, no finding."""
+    config = transformers.MistralConfig(
+        vocab_size=hm.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        pad_token_id=hm.PAD,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    inputs = hm.batch("left")
+    unwatched = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    with doctor.watch(model) as report:
+        watched = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert torch.equal(unwatched, watched) and report.calls == 6
     _assert_clean(report)

@@ -222,6 +222,53 @@ def _leak_reason(call: AttentionCall, blocked: Tensor | None) -> str:
     return "the mask does not cover them"
 
 
+def _last_real_query(pad: Padding) -> Tensor:
+    """``[B]`` the index of each sample's last real query (0 for a sample with none)."""
+    T = pad.live_queries.shape[1]
+    idx = torch.arange(1, T + 1, device=pad.live_queries.device)
+    return (pad.live_queries * idx).argmax(-1)  # [B]
+
+
+def _check_mixing(call: AttentionCall, blocked: Tensor, pad: Padding, out: list[Verdict]) -> bool:
+    """A real query blocked from real keys exactly where another sample has its padding.
+
+    Asked only once a padding key leaked. The last real query of a sample sees every real key
+    of it under a causal or padding mask; if, in some head, it is blocked from exactly another
+    sample's padding instead, the mask was broadcast or laid out across the batch ([B, S] read
+    as [T, S], [B, T, S] read as [H, T, S], a [B * H] mask built with repeat instead of
+    repeat_interleave).
+    """
+    B, T, S = call.query.shape[0], call.query.shape[2], call.key.shape[2]
+    pad_keys = ~pad.live_keys  # [B, S]
+    has_pad = pad_keys.any(-1)  # [B]
+    if int(has_pad.sum()) == 0:
+        return False
+    g = blocked.expand(B, blocked.shape[1], T, S)  # [B, Hm, T, S]
+    last = _last_real_query(pad)  # [B]
+    row = g[torch.arange(B, device=g.device), :, last]  # [B, Hm, S]
+    blocks_real = (row & pad.live_keys.unsqueeze(1)).any(-1)  # [B, Hm]
+    other = (row.unsqueeze(2) == pad_keys.view(1, 1, B, S)).all(-1)  # [B, Hm, B]
+    other = (
+        other & has_pad.view(1, 1, B) & ~torch.eye(B, dtype=torch.bool, device=g.device)[:, None]
+    )
+    hit = other.any(-1) & blocks_real & pad.live_queries.any(-1, keepdim=True)  # [B, Hm]
+    if not bool(hit.any()):
+        return False
+    b, h = (int(i) for i in torch.nonzero(hit)[0])
+    o = int(torch.nonzero(other[b, h])[0])
+    out.append(
+        Verdict(
+            "mask_broadcast",
+            "error",
+            f"sample {b}'s query {int(last[b])} is masked with the padding of sample {o}"
+            f"{f' in head {h}' if g.shape[1] > 1 else ''}: the mask {list(call.mask_shape or ())} "
+            f"mixes samples",
+            {"sample": b, "query": int(last[b]), "mask_of_sample": o, "head": h},
+        )
+    )
+    return True
+
+
 def _check_padding(
     call: AttentionCall, blocked: Tensor | None, pad: Padding, out: list[Verdict]
 ) -> None:
@@ -287,8 +334,7 @@ def _check_inverted(
         if bool(has_pad.any()):
             # the last real query sees every real key under any correct mask (causal too):
             # an inverted mask blocks exactly them there, and lets the padding through
-            T_idx = torch.arange(T, device=live_k.device)
-            last = (pad.live_queries * (T_idx + 1)).argmax(-1)  # [B]
+            last = _last_real_query(pad)  # [B]
             g = given.expand(B, given.shape[1], T, S).any(1)  # [B, T, S] blocked in some head
             row = g[torch.arange(B, device=g.device), last]  # [B, S]
             sample_inv = (row == live_k).all(-1) & has_pad  # [B]
@@ -555,7 +601,12 @@ def judge(call: AttentionCall, pad: Padding | None = None, hints: bool = True) -
     _check_causal(call, call.blocked, out)
     _check_2d_broadcast(call, pad, out)
     if pad is not None and not inverted:
-        _check_padding(call, blocked, pad, out)
+        leaks: list[Verdict] = []
+        _check_padding(call, blocked, pad, leaks)
+        # a mask laid out across the batch always leaks some sample's padding; a sliding window
+        # blocks a prefix like left padding but leaks nothing, so mixing is looked for only here
+        if not (leaks and blocked is not None and _check_mixing(call, blocked, pad, out)):
+            out.extend(leaks)
     if float_kind == "mask":
         _check_weak(call, block_value, out)
     if hints:
