@@ -10,6 +10,7 @@ from typing import Any
 
 import hf_models as hm
 import pytest
+import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -42,7 +43,33 @@ def causal_with_cache(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any)
     return _sdpa(module, q, k, v, None, is_causal=True)
 
 
+def float16_mask(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
+    additive = None if mask is None else ((~mask).half() * float("-inf")).float()  # 0 * -inf
+    return _sdpa(module, q, k, v, additive)
+
+
+def swaps_samples(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
+    return _sdpa(module, q, k, v, None if mask is None else mask.flip(0))
+
+
+def off_by_one(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
+    if mask is None or q.shape[2] == 1:
+        return _sdpa(module, q, k, v, mask)
+    T = q.shape[2]
+    return _sdpa(module, q, k, v, mask & ~torch.eye(T, dtype=torch.bool))  # no query sees itself
+
+
+def nan_in_value(module: Any, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
+    v = v.clone()
+    v[:, :, 0] = float("nan")
+    return _sdpa(module, q, k, v, mask)
+
+
 BUGS = {
+    "float16_mask": (float16_mask, "nonfinite_mask"),
+    "swaps_samples": (swaps_samples, "mask_broadcast"),
+    "off_by_one": (off_by_one, "all_blocked_rows"),
+    "nan_in_value": (nan_in_value, "nonfinite_output"),
     "drops_mask": (drops_mask, "padding_leak"),
     "inverts_mask": (inverts_mask, "inverted_mask"),
     "weak_mask": (weak_mask, "weak_mask"),
