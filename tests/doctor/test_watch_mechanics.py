@@ -133,3 +133,33 @@ def test_the_readme_documents_every_kind_as_the_code_does() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     for kind, doc in doctor.KINDS.items():
         assert f"| `{kind}` | {doc.symptom} | {doc.cause} | {doc.fix} |" in readme, kind
+
+
+def test_threads_with_their_own_watches_see_their_own_calls() -> None:
+    """Two threads watch at once, start and end out of step: each report holds its calls."""
+    reports: dict[str, doctor.Report] = {}
+    barrier = threading.Barrier(2)
+    original = AttentionInterface.get_interface
+
+    def run(name: str, bug: str | None, rounds: int) -> None:
+        model = Tiny(bug)
+        ids = torch.randint(0, 50, (3, 3))
+        barrier.wait()
+        with doctor.watch(model) as report:
+            for _ in range(rounds):
+                model(ids, attention_mask=attention_mask())
+        reports[name] = report
+
+    threads = [
+        threading.Thread(target=run, args=("clean", None, 3)),
+        threading.Thread(target=run, args=("buggy", "dropped", 5)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reports["clean"].calls == 6 and reports["clean"].findings == []
+    assert reports["buggy"].calls == 10
+    assert [f.kind for f in reports["buggy"].findings] == ["padding_leak"]
+    assert torch._C._len_torch_function_stack() == 0
+    assert AttentionInterface.get_interface is original
