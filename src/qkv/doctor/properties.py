@@ -1,0 +1,254 @@
+"""The seven properties an examination checks, one function each: ``f(session) -> Property``.
+
+Each compares live outputs of runs that must agree mathematically (see
+:mod:`qkv.doctor.session` for the bound) and names the worst text and token. A function may raise
+(:class:`~qkv.doctor.session.ProbeError` when the model raised); :func:`qkv.doctor.examine` turns
+that into a failed property.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from qkv.doctor.batches import Batch, other_tokens
+from qkv.doctor.compare import Worst, compare, verdict
+from qkv.doctor.examination import Bound, Property
+from qkv.doctor.probes import HFAdapter
+from qkv.doctor.restore import requiring_grad
+from qkv.doctor.session import ProbeError, Session
+from qkv.integrations.transformers import register
+
+__all__ = ["IMPLEMENTATIONS", "PROBES", "cache_schedule"]
+
+IMPLEMENTATIONS = ("eager", "sdpa", "qkv")
+"""The ``transformers`` attention implementations ``implementation_equivalence`` compares (and
+the model's own, when it is another)."""
+
+_QKV_REFUSES = "attn_implementation='qkv' does not support"
+
+
+def _not_applicable(why: str) -> Property:
+    return Property(None, None, None, why)
+
+
+def batch_invariance(s: Session) -> Property:
+    """Each row of the reference batch alone (with its padding) = that row inside the batch."""
+    ref, b = s.ref, s.default
+    worsts = [
+        compare(i, ref[i], s.outputs(b.row(i))[0], b.name, f"text {i} alone (same padding)")
+        for i in range(s.samples.size)
+    ]
+    return verdict(worsts, s.bound)
+
+
+def _left_applies(s: Session) -> str:
+    if s.adapter.kind == "causal-lm" or s.adapter.takes_positions:
+        return ""
+    return (
+        "; left padding not compared: the model takes no position ids, so left padding shifts "
+        "its absolute positions (pad encoders on the right)"
+    )
+
+
+def padding_invariance(s: Session) -> Property:
+    """Left-padded = right-padded = each text alone, unpadded, on live positions."""
+    n = s.samples.size
+    alone = [s.alone(i)[0] for i in range(n)]
+    right = s.padded("right")
+    worsts = [compare(i, right[i], alone[i], "right-padded batch", "text alone") for i in range(n)]
+    note = _left_applies(s)
+    if not note:
+        left = s.padded("left")
+        for i in range(n):
+            worsts.append(compare(i, left[i], alone[i], "left-padded batch", "text alone"))
+            worsts.append(compare(i, left[i], right[i], "left-padded batch", "right-padded batch"))
+    return verdict(worsts, s.bound, note)
+
+
+def pad_value_invariance(s: Session) -> Property:
+    """Other ids at the padded positions of the reference batch change no live output."""
+    b = s.default
+    pads = b.mask == 0  # [B, W]
+    other = other_tokens(b.ids, s.adapter.vocab_size, s.pool, s.generator)
+    ids = torch.where(pads, other, b.ids)  # [B, W]
+    name = f"{b.name} with other pad ids"
+    out = s.outputs(Batch(ids, b.mask, b.decoder_ids, name))
+    worsts = [compare(i, out[i], s.ref[i], name, b.name) for i in range(s.samples.size)]
+    return verdict(worsts, s.bound)
+
+
+def causality(s: Session) -> Property:
+    """Tokens after a cut changed (the later half of each text, or of the decoder input): the
+    outputs up to the cut do not change."""
+    if s.adapter.kind == "encoder":
+        return _not_applicable("an encoder attends both ways")
+    b, n = s.default, s.samples.size
+    ids, dec = b.ids.clone(), b.decoder_ids
+    if dec is not None:  # seq2seq: the decoder is the causal part
+        cut = (dec.shape[1] - 1) // 2
+        dec = dec.clone()
+        vocab = s.adapter.decoder_vocab_size
+        dec[:, cut + 1 :] = other_tokens(dec[:, cut + 1 :], vocab, s.pool, s.generator)
+        cuts = [cut] * n
+    else:
+        cuts = []
+        for i in range(n):
+            where = b.live(i).nonzero()[:, 0]  # [L_i] positions of the tokens
+            cut = (len(where) - 1) // 2
+            later = where[cut + 1 :]
+            ids[i, later] = other_tokens(ids[i, later], s.adapter.vocab_size, s.pool, s.generator)
+            cuts.append(cut)
+    name = f"{b.name}, tokens after the cut changed"
+    out = s.outputs(Batch(ids, b.mask, dec, name))
+    worsts = [compare(i, out[i], s.ref[i], name, b.name, upto=cuts[i]) for i in range(n)]
+    cut_note = (
+        f"; cut after token {cuts[0]}" if dec is not None else "; cut after half of each text"
+    )
+    return verdict(worsts, s.bound, cut_note)
+
+
+def cache_schedule(n: int) -> list[int]:
+    """Call sizes for ``n`` tokens: a prefill, then a chunk of 2 and single steps (4 at most)."""
+    k = min(4, n - 1)
+    if k <= 0:
+        return [n]
+    steps = [2] + [1] * (k - 2) if k >= 3 else [1] * k
+    return [n - k, *steps]
+
+
+def cache_equivalence(s: Session) -> Property:
+    """Prefill plus cached steps = the full forward: the reference batch (left-padded for causal
+    LMs) and the first text alone, unpadded."""
+    if s.adapter.cache is not None:
+        return _not_applicable(s.adapter.cache)
+    worsts: list[Worst] = []
+    for batch, full in ((s.default, s.ref), (s.samples.alone(0), s.alone(0))):
+        dec = batch.decoder_ids
+        sizes = cache_schedule(batch.ids.shape[1] if dec is None else dec.shape[1])
+        name = f"{batch.name}, prefill {sizes[0]} + cached steps {sizes[1:]}"
+        try:
+            live = s.adapter.live(batch, s.adapter.cached(batch, sizes))
+        except Exception as e:
+            raise ProbeError(f"the {name} raised {type(e).__name__}: {e}") from e
+        full_name = f"{batch.name}, full forward"
+        worsts += [compare(i, live[i], full[i], name, full_name) for i in range(len(full))]
+    return verdict(worsts, s.bound)
+
+
+def implementation_equivalence(s: Session) -> Property:
+    """``eager`` = ``sdpa`` = ``qkv`` (and the model's own), each = the model in float64; the
+    model's implementation is restored afterwards."""
+    a = s.adapter
+    if not isinstance(a, HFAdapter):
+        return _not_applicable("not a transformers model: it has one attention implementation")
+    register()  # idempotent: (re)binds "qkv" in transformers' registries
+    own = a.implementation
+    outs: dict[str, list[Tensor]] = {own: s.ref}
+    skipped: list[str] = []
+    try:
+        for name in IMPLEMENTATIONS:
+            if name == own:
+                continue
+            try:
+                a.set_implementation(name)
+            except Exception as e:
+                skipped.append(f"{name} ({type(e).__name__}: {str(e)[:80]})")
+                continue
+            try:
+                outs[name] = s.outputs(s.default)
+            except ProbeError as e:
+                refused = re.search(re.escape(_QKV_REFUSES) + r" (\w+)", str(e))
+                if name == "qkv" and refused:
+                    skipped.append(f"qkv (it does not support {refused.group(1)})")
+                    continue
+                raise
+    finally:
+        a.set_implementation(own)
+    names = list(outs)
+    n = s.samples.size
+    worsts: list[Worst] = []
+    for j, x in enumerate(names):
+        for y in names[j + 1 :]:
+            worsts += [compare(i, outs[x][i], outs[y][i], x, y) for i in range(n)]
+        if s.ref64 is not None:
+            worsts += [compare(i, outs[x][i], s.ref64[i], x, f"float64 {own}") for i in range(n)]
+    note = "; not compared: " + ", ".join(skipped) if skipped else ""
+    if s.ref64 is None:
+        note += "; no float64 run (see the bound)"
+    return verdict(worsts, s.bound, note)
+
+
+def finite_gradients(s: Session) -> Property:
+    """Gradients of a random projection of the live outputs with respect to every parameter and
+    every embedding output (padded rows included) are finite."""
+    modules = s.adapter.modules()
+    if not modules:
+        return _not_applicable("no nn.Module found to differentiate")
+    b = s.default
+    embedded: list[tuple[str, Tensor]] = []
+
+    def keep(name: str) -> Callable[[nn.Module, object, object], None]:
+        def hook(module: nn.Module, args: object, out: object) -> None:
+            if isinstance(out, Tensor) and out.requires_grad:
+                embedded.append((name, out))
+
+        return hook
+
+    handles = [
+        m.register_forward_hook(keep(name))
+        for root in modules
+        for name, m in root.named_modules()
+        if isinstance(m, nn.Embedding)
+    ]
+    try:
+        with torch.enable_grad(), requiring_grad(modules) as params:
+            try:
+                live = s.adapter.live(b, s.adapter.forward(b))
+            except Exception as e:
+                raise ProbeError(f"the {b.name} raised {type(e).__name__}: {e}") from e
+            weights = [torch.randn(x.shape, generator=s.generator).to(x) for x in live]
+            loss = sum((x * w).sum() for x, w in zip(live, weights, strict=True))
+            assert isinstance(loss, Tensor)
+            inputs = [t for _, t in embedded] + [p for _, p in params]
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    names = [f"output of {n}" for n, _ in embedded] + [f"parameter {n}" for n, _ in params]
+    bad, first, total = 0, "", 0
+    for name, g in zip(names, grads, strict=True):
+        if g is None:
+            continue
+        total += g.numel()
+        wrong = ~torch.isfinite(g)
+        count = int(wrong.sum())
+        if count and not first:
+            first = name
+            if name.startswith("output of") and g.dim() >= 2:
+                i, p = (int(v) for v in wrong.nonzero()[0, :2])
+                state = "padding" if int(b.mask[i, p]) == 0 else "token"
+                first += f" at row {i}, position {p} ({state})"
+        bad += count
+    bound = Bound(0.0, "exact: every gradient value must be finite")
+    if bad:
+        return Property(
+            False, float(bad), bound, f"{bad} of {total} values not finite; first: {first}"
+        )
+    detail = f"all {total} values finite ({len(params)} parameters, {len(embedded)} embeddings)"
+    return Property(True, 0.0, bound, detail)
+
+
+PROBES: dict[str, Callable[[Session], Property]] = {
+    "batch_invariance": batch_invariance,
+    "padding_invariance": padding_invariance,
+    "pad_value_invariance": pad_value_invariance,
+    "causality": causality,
+    "cache_equivalence": cache_equivalence,
+    "implementation_equivalence": implementation_equivalence,
+    "finite_gradients": finite_gradients,
+}
+"""Each property's function, in the order of :data:`~qkv.doctor.examination.PROPERTIES`."""
