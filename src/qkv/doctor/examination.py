@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PROPERTIES", "Bound", "Examination", "Property"]
@@ -88,11 +88,14 @@ class Examination:
         properties: property name (see :data:`PROPERTIES`) to its :class:`Property`.
         model: what was examined, in words (``"transformers LlamaForCausalLM (causal-lm)"``).
         notes: what a person should know to read the table (the batches built, what was added).
+        seconds: wall time of each step: ``"reference"`` (the reference forward and its float64
+            rerun, which gives the bound), then each property.
     """
 
     properties: dict[str, Property]
     model: str = ""
     notes: tuple[str, ...] = ()
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -122,6 +125,9 @@ class Examination:
         sources = sorted({p.bound.source for p in self.properties.values() if p.bound})
         lines += [f"bound: {s}" for s in sources]
         lines += [f"note: {n}" for n in self.notes]
+        if self.seconds:
+            steps = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+            lines.append(f"time: {sum(self.seconds.values()):.1f} s ({steps})")
         verdict = "passed" if self.passed else "FAILED: " + ", ".join(self.failed)
         lines.append(f"examination {verdict}")
         return "\n".join(lines)
@@ -132,6 +138,7 @@ class Examination:
             "passed": self.passed,
             "model": self.model,
             "notes": list(self.notes),
+            "seconds": dict(self.seconds),
             "properties": {name: p.to_dict() for name, p in self.properties.items()},
         }
 

@@ -14,6 +14,7 @@ Shapes: B batch, T tokens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,15 +113,20 @@ def examine(
         notes.append(f"decoder input: the start token {adapter.decoder_start}, then random ids")
     session = Session(adapter, samples)
     properties: dict[str, Property] = {}
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
     with evaluating(adapter.modules()), torch.no_grad():
         session.measure()
+        seconds["reference"] = time.perf_counter() - start
         for name, probe in PROBES.items():
+            start = time.perf_counter()
             try:
                 properties[name] = probe(session)
             except Exception as e:
                 bound = None if session.bound.source == "not measured" else session.bound
                 properties[name] = Property(False, None, bound, f"{type(e).__name__}: {e}")
-    return Examination(properties, adapter.description, tuple(notes))
+            seconds[name] = time.perf_counter() - start
+    return Examination(properties, adapter.description, tuple(notes), seconds)
 
 
 def examine_texts(
