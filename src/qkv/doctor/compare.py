@@ -1,4 +1,4 @@
-"""Compare live outputs that must be equal; turn the worst difference into a :class:`Property`.
+"""Compare live outputs that must be equal: the worst difference and where it is.
 
 The error of a comparison is the largest absolute difference over a sample's live outputs, in
 float64; a non-finite value on either side makes it NaN, which fails any bound.
@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.doctor.examination import Bound, Property
-
-__all__ = ["Worst", "compare", "verdict", "worst_of"]
+__all__ = ["Worst", "compare", "worst_of"]
 
 
 @dataclass(frozen=True)
@@ -78,10 +76,3 @@ def compare(
 def worst_of(worsts: Sequence[Worst]) -> Worst:
     """The largest error of ``worsts`` (NaN first)."""
     return max(worsts, key=lambda w: math.inf if math.isnan(w.error) else w.error)
-
-
-def verdict(worsts: Sequence[Worst], bound: Bound, note: str = "") -> Property:
-    """Pass when the worst error is within ``bound``; ``note`` is appended to the detail."""
-    w = worst_of(worsts)
-    passed = not math.isnan(w.error) and w.error <= bound.value
-    return Property(passed, w.error, bound, w.where + note)

@@ -15,11 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from qkv.doctor.batches import Batch, other_tokens
-from qkv.doctor.compare import Worst, compare, verdict
 from qkv.doctor.examination import Bound, Property
 from qkv.doctor.probes import HFAdapter
 from qkv.doctor.restore import requiring_grad
-from qkv.doctor.session import ProbeError, Session
+from qkv.doctor.session import Pair, ProbeError, Run, Session
 from qkv.integrations.transformers import register
 
 __all__ = ["IMPLEMENTATIONS", "PROBES", "cache_schedule"]
@@ -37,13 +36,16 @@ def _not_applicable(why: str) -> Property:
 
 def batch_invariance(s: Session) -> Property:
     """Each row of the reference batch alone (with its padding) = that row inside the batch."""
-    ref, b = s.ref, s.default
-    worsts = []
+    b, ref = s.default, s.ref
+    pairs = []
     for i in range(s.samples.size):
-        # a row without padding alone is the text alone, which padding_invariance runs too
-        alone = s.alone(i)[0] if bool(b.mask[i].all()) else s.outputs(b.row(i))[0]
-        worsts.append(compare(i, ref[i], alone, b.name, f"text {i} alone (same padding)"))
-    return verdict(worsts, s.bound)
+        if bool(b.mask[i].all()):  # a row without padding alone is the text alone
+            alone = s.alone(i)
+        else:
+            row = s.batch_run(b.row(i), f"row {i}")
+            alone = Run(row.key, f"text {i} alone (same padding)", row.call, (0,), (i,))
+        pairs.append(Pair(ref.only(i), alone))
+    return s.judge(pairs)
 
 
 def _left_applies(s: Session) -> str:
@@ -57,17 +59,14 @@ def _left_applies(s: Session) -> str:
 
 def padding_invariance(s: Session) -> Property:
     """Left-padded = right-padded = each text alone, unpadded, on live positions."""
-    n = s.samples.size
-    alone = [s.alone(i)[0] for i in range(n)]
     right = s.padded("right")
-    worsts = [compare(i, right[i], alone[i], "right-padded batch", "text alone") for i in range(n)]
+    pairs = [Pair(right.only(i), s.alone(i)) for i in range(s.samples.size)]
     note = _left_applies(s)
     if not note:
         left = s.padded("left")
-        for i in range(n):
-            worsts.append(compare(i, left[i], alone[i], "left-padded batch", "text alone"))
-            worsts.append(compare(i, left[i], right[i], "left-padded batch", "right-padded batch"))
-    return verdict(worsts, s.bound, note)
+        pairs += [Pair(left.only(i), s.alone(i)) for i in range(s.samples.size)]
+        pairs.append(Pair(left, right))
+    return s.judge(pairs, note)
 
 
 def pad_value_invariance(s: Session) -> Property:
@@ -76,10 +75,8 @@ def pad_value_invariance(s: Session) -> Property:
     pads = b.mask == 0  # [B, W]
     other = other_tokens(b.ids, s.adapter.vocab_size, s.pool, s.generator)
     ids = torch.where(pads, other, b.ids)  # [B, W]
-    name = f"{b.name} with other pad ids"
-    out = s.outputs(Batch(ids, b.mask, b.decoder_ids, name))
-    worsts = [compare(i, out[i], s.ref[i], name, b.name) for i in range(s.samples.size)]
-    return verdict(worsts, s.bound)
+    changed = Batch(ids, b.mask, b.decoder_ids, f"{b.name} with other pad ids")
+    return s.judge([Pair(s.batch_run(changed, "pad values"), s.ref)])
 
 
 def causality(s: Session) -> Property:
@@ -95,6 +92,7 @@ def causality(s: Session) -> Property:
         vocab = s.adapter.decoder_vocab_size
         dec[:, cut + 1 :] = other_tokens(dec[:, cut + 1 :], vocab, s.pool, s.generator)
         cuts = [cut] * n
+        note = f"; decoder tokens after token {cut} changed"
     else:
         cuts = []
         for i in range(n):
@@ -103,13 +101,9 @@ def causality(s: Session) -> Property:
             later = where[cut + 1 :]
             ids[i, later] = other_tokens(ids[i, later], s.adapter.vocab_size, s.pool, s.generator)
             cuts.append(cut)
-    name = f"{b.name}, tokens after the cut changed"
-    out = s.outputs(Batch(ids, b.mask, dec, name))
-    worsts = [compare(i, out[i], s.ref[i], name, b.name, upto=cuts[i]) for i in range(n)]
-    cut_note = (
-        f"; cut after token {cuts[0]}" if dec is not None else "; cut after half of each text"
-    )
-    return verdict(worsts, s.bound, cut_note)
+        note = "; the later half of each text changed"
+    changed = Batch(ids, b.mask, dec, f"{b.name}, tokens after the cut changed")
+    return s.judge([Pair(s.batch_run(changed, "future tokens"), s.ref, tuple(cuts))], note)
 
 
 def cache_schedule(n: int) -> list[int]:
@@ -119,6 +113,17 @@ def cache_schedule(n: int) -> list[int]:
         return [n]
     steps = [2] + [1] * (k - 2) if k >= 3 else [1] * k
     return [n - k, *steps]
+
+
+def _cached_run(s: Session, batch: Batch, key: str, texts: tuple[int, ...]) -> Run:
+    dec = batch.decoder_ids
+    sizes = cache_schedule(batch.ids.shape[1] if dec is None else dec.shape[1])
+
+    def call() -> list[Tensor]:
+        return s.adapter.live(batch, s.adapter.cached(batch, sizes))
+
+    name = f"{batch.name}, prefill {sizes[0]} + cached steps {sizes[1:]}"
+    return Run(key, name, call, tuple(range(len(texts))), texts)
 
 
 def cache_equivalence(s: Session) -> Property:
@@ -131,20 +136,27 @@ def cache_equivalence(s: Session) -> Property:
     lengths = [len(x) for x in s.samples.seqs]
     long_enough = [(n, j) for j, n in enumerate(lengths) if n >= 5]
     i = min(long_enough)[1] if long_enough else lengths.index(max(lengths))
-    worsts: list[Worst] = []
-    for batch, full in ((s.default, s.ref), (s.samples.alone(i), s.alone(i))):
-        dec = batch.decoder_ids
-        sizes = cache_schedule(batch.ids.shape[1] if dec is None else dec.shape[1])
-        name = f"{batch.name}, prefill {sizes[0]} + cached steps {sizes[1:]}"
+    texts = tuple(range(s.samples.size))
+    return s.judge(
+        [
+            Pair(_cached_run(s, s.default, "cached", texts), s.ref),
+            Pair(_cached_run(s, s.samples.alone(i), f"cached alone {i}", (i,)), s.alone(i)),
+        ]
+    )
+
+
+def _implementation_run(s: Session, a: HFAdapter, name: str, own: str) -> Run:
+    forward = s.batch_run(s.default).call
+
+    def call() -> list[Tensor]:
+        a.set_implementation(name)
         try:
-            live = s.adapter.live(batch, s.adapter.cached(batch, sizes))
-        except Exception as e:
-            raise ProbeError(f"the {name} raised {type(e).__name__}: {e}") from e
-        full_name = f"{batch.name}, full forward"
-        index = range(len(full)) if len(full) > 1 else [i]
-        for j, x, y in zip(index, live, full, strict=True):
-            worsts.append(compare(j, x, y, name, full_name))
-    return verdict(worsts, s.bound)
+            return forward()
+        finally:
+            a.set_implementation(own)
+
+    texts = tuple(range(s.samples.size))
+    return Run(f"implementation {name}", name, call, texts, texts)
 
 
 def implementation_equivalence(s: Session) -> Property:
@@ -155,39 +167,37 @@ def implementation_equivalence(s: Session) -> Property:
         return _not_applicable("not a transformers model: it has one attention implementation")
     register()  # idempotent: (re)binds "qkv" in transformers' registries
     own = a.implementation
-    outs: dict[str, list[Tensor]] = {own: s.ref}
+    ref = s.ref
+    runs = [Run(ref.key, own, ref.call, ref.pick, ref.texts)]
     skipped: list[str] = []
-    try:
-        for name in IMPLEMENTATIONS:
-            if name == own:
+    for name in IMPLEMENTATIONS:
+        if name == own:
+            continue
+        try:
+            a.set_implementation(name)
+        except Exception as e:
+            skipped.append(f"{name} ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        finally:
+            a.set_implementation(own)
+        run = _implementation_run(s, a, name, own)
+        try:
+            s.live(run)
+        except ProbeError as e:
+            refused = re.search(re.escape(_QKV_REFUSES) + r" (\w+)", str(e))
+            if name == "qkv" and refused:
+                skipped.append(f"qkv (it does not support {refused.group(1)})")
                 continue
-            try:
-                a.set_implementation(name)
-            except Exception as e:
-                skipped.append(f"{name} ({type(e).__name__}: {str(e)[:80]})")
-                continue
-            try:
-                outs[name] = s.outputs(s.default)
-            except ProbeError as e:
-                refused = re.search(re.escape(_QKV_REFUSES) + r" (\w+)", str(e))
-                if name == "qkv" and refused:
-                    skipped.append(f"qkv (it does not support {refused.group(1)})")
-                    continue
-                raise
-    finally:
-        a.set_implementation(own)
-    names = list(outs)
-    n = s.samples.size
-    worsts: list[Worst] = []
-    for j, x in enumerate(names):
-        for y in names[j + 1 :]:
-            worsts += [compare(i, outs[x][i], outs[y][i], x, y) for i in range(n)]
-        if s.ref64 is not None:
-            worsts += [compare(i, outs[x][i], s.ref64[i], x, f"float64 {own}") for i in range(n)]
+            raise
+        runs.append(run)
+    pairs = [Pair(x, y) for j, x in enumerate(runs) for y in runs[j + 1 :]]
+    if s.provable:
+        exact = Run(ref.key, f"float64 {own}", ref.call, ref.pick, ref.texts, float64=True)
+        pairs += [Pair(x, exact) for x in runs]
     note = "; not compared: " + ", ".join(skipped) if skipped else ""
-    if s.ref64 is None:
+    if not s.provable:
         note += "; no float64 run (see the bound)"
-    return verdict(worsts, s.bound, note)
+    return s.judge(pairs, note)
 
 
 def finite_gradients(s: Session) -> Property:

@@ -1,26 +1,38 @@
-"""One examination's state: the adapter, the batches, the outputs shared between properties, and
-the tolerance measured on the model itself.
+"""One examination's state: the adapter, the batches, the runs shared between properties, and the
+tolerances measured on the model itself.
 
-The tolerance: the reference batch runs in the model's dtype and again with the model cast to
-float64; the largest difference on live outputs is that dtype's rounding noise for this model and
-input. Two runs that must agree mathematically, each that close to the exact value, differ by at
-most twice it (the triangle inequality), so the bound is twice the noise. A bug shows orders of
-magnitude above it; a clean model stays below.
+Every property compares pairs of runs that must agree mathematically on the live outputs. The
+tolerance comes in two steps, both measured:
+
+1. **Screen**: the reference batch runs in the model's dtype and again with the model cast to
+   float64; the largest difference on live outputs is that dtype's rounding noise for this model
+   and input. Two runs that close to the exact value differ by at most twice it (the triangle
+   inequality), so a pair within ``2 x noise`` passes.
+2. **Proof**: a pair above it is run again with the model in float64, both sides; each side's own
+   rounding noise ``n_a``, ``n_b`` is measured. A correct model satisfies
+   ``|a - b| <= n_a + n_b`` exactly (up to float64 rounding), whatever the two runs' kernels
+   (an implementation with low-precision internals is noisier, not wrong); a bug exceeds it by
+   orders of magnitude. The pair fails only then, and the table shows that bound.
+
+A clean model therefore never fails, and a bug costs two float64 reruns of the pair it breaks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from qkv.doctor.batches import Batch, Samples, Side
-from qkv.doctor.examination import Bound
+from qkv.doctor.compare import Worst, compare, worst_of
+from qkv.doctor.examination import Bound, Property
 from qkv.doctor.probes import Adapter
 from qkv.doctor.restore import cast_floating, floating_dtype
 
-__all__ = ["FALLBACK_ULPS", "ProbeError", "Session"]
+__all__ = ["FALLBACK_ULPS", "Pair", "ProbeError", "Run", "Session"]
 
 FALLBACK_ULPS = 1024
 """When the model cannot run in float64 (a callable that hides its modules, an op without a
@@ -29,7 +41,42 @@ the table says is one."""
 
 
 class ProbeError(RuntimeError):
-    """A model call of a probe raised; the message names the batch and the original error."""
+    """A model call of a probe raised; the message names the run and the original error."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One way of computing some texts' live outputs.
+
+    Attributes:
+        key: identifies the computation (runs are cached by key, per dtype).
+        name: what it is, for a person ("left-padded batch").
+        call: computes the live outputs of every sample the model was called with.
+        pick: which of ``call``'s outputs this run stands for.
+        texts: the text number of each picked output.
+        float64: always computed with the model in float64 (a reference, not a float32 run).
+    """
+
+    key: str
+    name: str
+    call: Callable[[], list[Tensor]]
+    pick: tuple[int, ...]
+    texts: tuple[int, ...]
+    float64: bool = False
+
+    def only(self, i: int) -> Run:
+        """The same run, text ``i`` of it only."""
+        j = self.texts.index(i)
+        return Run(self.key, self.name, self.call, (self.pick[j],), (i,), self.float64)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two runs of the same texts that must agree; ``upto`` limits each text's tokens compared."""
+
+    a: Run
+    b: Run
+    upto: tuple[int, ...] | None = None
 
 
 class Session:
@@ -45,8 +92,8 @@ class Session:
         default: the reference batch, ``samples.padded(side)``.
         generator: the random generator of every token replacement (reproducible).
         pool: the token ids of the caller's batch (replacements when the vocabulary is unknown).
-        ref64: the reference batch's live outputs from the model in float64, once measured.
-        bound: the tolerance of every comparison of two runs (see the module docstring).
+        bound: the screening bound (see the module docstring).
+        provable: pairs above the screen can be rerun in float64.
     """
 
     def __init__(self, adapter: Adapter, samples: Samples) -> None:
@@ -56,78 +103,94 @@ class Session:
         self.default = samples.padded(self.side)
         self.generator = torch.Generator().manual_seed(0)
         self.pool = sorted({int(x) for s in samples.seqs for x in s.tolist()})
-        self.ref64: list[Tensor] | None = None
-        self._outputs: dict[str, list[Tensor]] = {}
-        self._ref_error: ProbeError | None = None
+        self.modules = adapter.modules()
         self.bound = Bound(math.nan, "not measured")
+        self.provable = False
+        self._cache: dict[tuple[str, bool], list[Tensor]] = {}
+        self._ref_error: ProbeError | None = None
 
-    def outputs(self, batch: Batch, key: str | None = None) -> list[Tensor]:
-        """The live outputs of ``batch`` (kept under ``key`` for the other properties).
+    # ---- runs -----------------------------------------------------------------------------
+
+    def batch_run(self, batch: Batch, key: str | None = None) -> Run:
+        """The forward of ``batch``: every sample of it (text i is output i)."""
+        n = batch.ids.shape[0]
+        texts = tuple(range(n))
+
+        def call() -> list[Tensor]:
+            return self.adapter.live(batch, self.adapter.forward(batch))
+
+        return Run(key or batch.name, batch.name, call, texts, texts)
+
+    @property
+    def ref(self) -> Run:
+        """The reference batch's forward."""
+        return self.batch_run(self.default, "ref")
+
+    def alone(self, i: int) -> Run:
+        """Text ``i`` alone, unpadded."""
+        batch = self.samples.alone(i)
+        call = self.batch_run(batch).call
+        return Run(f"alone {i}", f"text {i} alone, unpadded", call, (0,), (i,))
+
+    def padded(self, side: Side) -> Run:
+        """The batch padded on ``side`` (the reference batch on the reference side)."""
+        if side == self.side:
+            return self.ref
+        return self.batch_run(self.samples.padded(side), side)
+
+    def live(self, run: Run, float64: bool = False) -> list[Tensor]:
+        """The picked live outputs of ``run``, in the model's dtype or in float64 (cached).
 
         Raises:
             ProbeError: the model raised, or returned a tensor of another shape.
         """
-        if key is not None and key in self._outputs:
-            return self._outputs[key]
-        try:
-            out = self.adapter.forward(batch)
-            live = [x.detach() for x in self.adapter.live(batch, out)]
-        except Exception as e:
-            raise ProbeError(f"the {batch.name} raised {type(e).__name__}: {e}") from e
-        if key is not None:
-            self._outputs[key] = live
-        return live
-
-    @property
-    def ref(self) -> list[Tensor]:
-        """The reference batch's live outputs.
-
-        Raises:
-            ProbeError: the reference forward raised.
-        """
-        if self._ref_error is not None:
+        if run.key == "ref" and self._ref_error is not None:
             raise ProbeError(f"reference forward: {self._ref_error}")
-        return self.outputs(self.default, "ref")
+        float64 = float64 or run.float64
+        if (run.key, float64) not in self._cache:
+            try:
+                if float64:
+                    with cast_floating(self.modules, torch.float64):
+                        out = run.call()
+                else:
+                    out = run.call()
+            except Exception as e:
+                precision = " in float64" if float64 else ""
+                raise ProbeError(f"the {run.name}{precision} raised {type(e).__name__}: {e}") from e
+            self._cache[(run.key, float64)] = [x.detach() for x in out]
+        out = self._cache[(run.key, float64)]
+        return [out[j] for j in run.pick]
 
-    def alone(self, i: int) -> list[Tensor]:
-        """Sample ``i`` alone, unpadded: its live outputs as a one-element list."""
-        return self.outputs(self.samples.alone(i), f"alone {i}")
-
-    def padded(self, side: Side) -> list[Tensor]:
-        """The live outputs of the batch padded on ``side``."""
-        return self.outputs(self.samples.padded(side), "ref" if side == self.side else side)
+    # ---- bounds ---------------------------------------------------------------------------
 
     def measure(self) -> None:
-        """Run the reference batch and measure :attr:`bound`; never raises."""
+        """Run the reference batch and measure the screening :attr:`bound`; never raises."""
         try:
-            ref = self.ref
+            ref = self.live(self.ref)
         except ProbeError as e:
             self._ref_error = e
             return
-        modules = self.adapter.modules()
-        dtype = floating_dtype(modules)
+        dtype = floating_dtype(self.modules)
         reason = "no nn.Module found behind the callable"
-        if modules and dtype is not None:
+        if self.modules and dtype is not None:
             try:
-                self.bound = self._float64_bound(ref, modules, dtype)
+                self.bound = self._float64_bound(ref, dtype)
+                self.provable = dtype != torch.float64
                 return
-            except Exception as e:
-                reason = f"the float64 rerun raised {type(e).__name__}: {e}"
+            except ProbeError as e:
+                reason = str(e)
         self.bound = self._fallback_bound(ref, reason)
 
-    def _float64_bound(self, ref: list[Tensor], modules: list, dtype: torch.dtype) -> Bound:
-        name = str(dtype).removeprefix("torch.")
+    def _float64_bound(self, ref: list[Tensor], dtype: torch.dtype) -> Bound:
         if dtype == torch.float64:
-            with cast_floating(modules, torch.float32):
-                low = self.outputs(self.default)
-            self.ref64 = ref
+            with cast_floating(self.modules, torch.float32):
+                low = self.ref.call()
             scale = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
             noise = _max_diff(low, ref) * scale
             what = "float64 rounding (float32 rerun's noise x eps64/eps32)"
         else:
-            with cast_floating(modules, torch.float64):
-                self.ref64 = self.outputs(self.default)
-            noise = _max_diff(ref, self.ref64)
+            noise = _max_diff(ref, self.live(self.ref, float64=True))
+            name = str(dtype).removeprefix("torch.")
             what = f"{name} rounding of the {self.default.name} vs the model in float64"
         return Bound(2 * noise, f"2 x {noise:.2e}, the {what}")
 
@@ -137,6 +200,62 @@ class Session:
         eps = torch.finfo(ref[0].dtype).eps
         value = 2 * FALLBACK_ULPS * eps * top
         return Bound(value, f"estimate 2 x {FALLBACK_ULPS} eps x max|output| ({reason})")
+
+    # ---- verdicts -------------------------------------------------------------------------
+
+    def judge(self, pairs: Sequence[Pair], note: str = "") -> Property:
+        """Compare every pair: screened against :attr:`bound`, a pair above it proven or failed
+        against its own runs' float64 noise (see the module docstring).
+
+        Raises:
+            ProbeError: a run raised.
+        """
+        found: list[tuple[Pair, Worst]] = []
+        for pair in pairs:
+            a, b = self.live(pair.a), self.live(pair.b)
+            cuts = pair.upto or (None,) * len(a)
+            worsts = [
+                compare(t, x, y, pair.a.name, pair.b.name, c)
+                for t, x, y, c in zip(pair.a.texts, a, b, cuts, strict=True)
+            ]
+            found.append((pair, worst_of(worsts)))
+        worst = worst_of([w for _, w in found])
+        screen = self.bound
+        if worst.error <= screen.value or math.isnan(worst.error) or not self.provable:
+            passed = not math.isnan(worst.error) and worst.error <= screen.value
+            return Property(passed, worst.error, screen, worst.where + note)
+        # above the screen: each such pair against its own runs' float64 noise
+        judged: list[tuple[float, Worst, Bound]] = []
+        for pair, w in found:
+            if w.error <= screen.value:
+                continue
+            if math.isnan(w.error):
+                return Property(False, w.error, screen, w.where + note)
+            bound = self._pair_bound(pair)
+            judged.append((w.error / bound.value if bound.value else math.inf, w, bound))
+        _, w, bound = max(judged, key=lambda r: r[0])
+        return Property(w.error <= bound.value, w.error, bound, w.where + note)
+
+    def _pair_bound(self, pair: Pair) -> Bound:
+        noises = []
+        for run in (pair.a, pair.b):
+            if run.float64:
+                noises.append(0.0)
+                continue
+            cuts = pair.upto or (None,) * len(run.pick)
+            low, high = self.live(run), self.live(run, float64=True)
+            end = [None if c is None else c + 1 for c in cuts]
+            noises.append(
+                _max_diff(
+                    [x[:e] for x, e in zip(low, end, strict=True)],
+                    [y[:e] for y, e in zip(high, end, strict=True)],
+                )
+            )
+        na, nb = noises
+        return Bound(
+            na + nb,
+            f"{na:.2e} + {nb:.2e}: each run's own rounding, measured against it in float64",
+        )
 
 
 def _max_diff(a: list[Tensor], b: list[Tensor]) -> float:
