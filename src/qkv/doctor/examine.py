@@ -126,6 +126,7 @@ def examine(
                 bound = None if session.bound.source == "not measured" else session.bound
                 properties[name] = Property(False, None, bound, f"{type(e).__name__}: {e}")
             seconds[name] = time.perf_counter() - start
+    notes += session.notes
     return Examination(properties, adapter.description, tuple(notes), seconds)
 
 

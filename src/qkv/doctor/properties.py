@@ -191,9 +191,10 @@ def implementation_equivalence(s: Session) -> Property:
             raise
         runs.append(run)
     pairs = [Pair(x, y) for j, x in enumerate(runs) for y in runs[j + 1 :]]
-    if s.provable:
-        exact = Run(ref.key, f"float64 {own}", ref.call, ref.pick, ref.texts, float64=True)
-        pairs += [Pair(x, exact) for x in runs]
+    if s.provable and s.exact_texts:
+        texts = s.exact_texts
+        exact = Run(ref.key, f"float64 {own}", ref.call, texts, texts, float64=True)
+        pairs += [Pair(Run(x.key, x.name, x.call, texts, texts), exact) for x in runs]
     note = "; not compared: " + ", ".join(skipped) if skipped else ""
     if not s.provable:
         note += "; no float64 run (see the bound)"

@@ -94,6 +94,10 @@ class Session:
         pool: the token ids of the caller's batch (replacements when the vocabulary is unknown).
         bound: the screening bound (see the module docstring).
         provable: pairs above the screen can be rerun in float64.
+        notes: what the reader should know about the float64 reruns.
+        exact_texts: the texts whose float64 reference outputs are finite (a float64 rerun can
+            break where the model's dtype does not: ``transformers``' eager attention takes its
+            softmax in float32, where float64's mask value overflows to -inf).
     """
 
     def __init__(self, adapter: Adapter, samples: Samples) -> None:
@@ -106,6 +110,8 @@ class Session:
         self.modules = adapter.modules()
         self.bound = Bound(math.nan, "not measured")
         self.provable = False
+        self.notes: list[str] = []
+        self.exact_texts: tuple[int, ...] = ()
         self._cache: dict[tuple[str, bool], list[Tensor]] = {}
         self._ref_error: ProbeError | None = None
 
@@ -189,7 +195,20 @@ class Session:
             noise = _max_diff(low, ref) * scale
             what = "float64 rounding (float32 rerun's noise x eps64/eps32)"
         else:
-            noise = _max_diff(ref, self.live(self.ref, float64=True))
+            ref64 = self.live(self.ref, float64=True)
+            noise = _max_diff(ref, ref64)
+            self.exact_texts = tuple(i for i, x in enumerate(ref64) if _finite(x))
+            broken = [
+                i
+                for i, (x, y) in enumerate(zip(ref, ref64, strict=True))
+                if _finite(x) and not _finite(y)
+            ]
+            if broken:
+                self.notes.append(
+                    f"the model in float64 returned non-finite outputs for texts {broken} (its own "
+                    "dtype did not): the bound comes from the other texts, and those texts are "
+                    "left out of the float64 comparisons"
+                )
             name = str(dtype).removeprefix("torch.")
             what = f"{name} rounding of the {self.default.name} vs the model in float64"
         return Bound(2 * noise, f"2 x {noise:.2e}, the {what}")
@@ -232,11 +251,14 @@ class Session:
             if math.isnan(w.error):
                 return Property(False, w.error, screen, w.where + note)
             bound = self._pair_bound(pair)
+            if bound is None:  # a float64 rerun broke: no proof, the screen stands
+                why = "; no proof: a float64 rerun of these runs is not finite"
+                return Property(False, w.error, screen, w.where + why + note)
             judged.append((w.error / bound.value if bound.value else math.inf, w, bound))
         _, w, bound = max(judged, key=lambda r: r[0])
         return Property(w.error <= bound.value, w.error, bound, w.where + note)
 
-    def _pair_bound(self, pair: Pair) -> Bound:
+    def _pair_bound(self, pair: Pair) -> Bound | None:
         noises = []
         for run in (pair.a, pair.b):
             if run.float64:
@@ -244,6 +266,8 @@ class Session:
                 continue
             cuts = pair.upto or (None,) * len(run.pick)
             low, high = self.live(run), self.live(run, float64=True)
+            if any(_finite(x) and not _finite(y) for x, y in zip(low, high, strict=True)):
+                return None
             end = [None if c is None else c + 1 for c in cuts]
             noises.append(
                 _max_diff(
@@ -256,6 +280,10 @@ class Session:
             na + nb,
             f"{na:.2e} + {nb:.2e}: each run's own rounding, measured against it in float64",
         )
+
+
+def _finite(x: Tensor) -> bool:
+    return bool(torch.isfinite(x).all())
 
 
 def _max_diff(a: list[Tensor], b: list[Tensor]) -> float:
