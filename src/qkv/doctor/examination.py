@@ -122,8 +122,12 @@ class Examination:
             lines.append(
                 "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
             )
-        sources = sorted({p.bound.source for p in self.properties.values() if p.bound})
-        lines += [f"bound: {s}" for s in sources]
+        by_source: dict[str, list[str]] = {}
+        for name, p in self.properties.items():
+            if p.bound is not None:
+                by_source.setdefault(p.bound.source, []).append(name)
+        for source, names in by_source.items():
+            lines.append(f"bound of {', '.join(names)}: {source}")
         lines += [f"note: {n}" for n in self.notes]
         if self.seconds:
             steps = ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())

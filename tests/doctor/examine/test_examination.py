@@ -26,7 +26,9 @@ def test_table_names_every_property_its_result_and_the_bound_source(buggy: Exami
     for name in PROPERTIES:
         assert name in text
     assert "FAIL" in text and "pass" in text and "n/a" in text
-    assert "bound: 2 x " in text and "vs the model in float64" in text
+    assert "bound of batch_invariance, padding_invariance, pad_value_invariance: 2 x " in text
+    assert "vs the model in float64" in text
+    assert "bound of causality: " in text and "each run's own rounding" in text
     assert text.splitlines()[-1] == "examination FAILED: causality"
     assert buggy.failed == ["causality"] and buggy.passed is False
 
