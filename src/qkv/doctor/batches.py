@@ -128,11 +128,19 @@ class Samples:
             mask[i, start : start + len(s)] = 1
         return Batch(ids, mask, self.decoder_ids, f"{side}-padded batch")
 
-    def alone(self, i: int) -> Batch:
-        """Sample ``i`` alone, without padding: ``[1, L_i]``."""
-        s = self.seqs[i]
-        dec = None if self.decoder_ids is None else self.decoder_ids[i : i + 1]
-        return Batch(s[None], torch.ones_like(s)[None], dec, f"text {i} alone, unpadded")
+    def same_length(self, i: int) -> tuple[int, ...]:
+        """The texts as long as text ``i`` (itself included), in order."""
+        return tuple(j for j, s in enumerate(self.seqs) if len(s) == len(self.seqs[i]))
+
+    def unpadded(self, i: int) -> tuple[Batch, int]:
+        """The texts as long as text ``i``, without padding (``[n, L_i]``; text i alone when no
+        other text has its length), and the row of text ``i`` in it."""
+        rows = list(self.same_length(i))
+        ids = torch.stack([self.seqs[j] for j in rows])  # [n, L_i]
+        dec = None if self.decoder_ids is None else self.decoder_ids[rows]
+        L = len(self.seqs[i])
+        name = f"text {i} alone" if len(rows) == 1 else f"the {len(rows)} texts of {L} tokens"
+        return Batch(ids, torch.ones_like(ids), dec, name + ", unpadded"), rows.index(i)
 
 
 def other_tokens(

@@ -39,8 +39,8 @@ def batch_invariance(s: Session) -> Property:
     b, ref = s.default, s.ref
     pairs = []
     for i in range(s.samples.size):
-        if bool(b.mask[i].all()):  # a row without padding alone is the text alone
-            alone = s.alone(i)
+        if bool(b.mask[i].all()) and len(s.samples.same_length(i)) == 1:
+            alone = s.unpadded(i)  # the same call: padding_invariance runs it too
         else:
             row = s.batch_run(b.row(i), f"row {i}")
             alone = Run(row.key, f"text {i} alone (same padding)", row.call, (0,), (i,))
@@ -58,13 +58,14 @@ def _left_applies(s: Session) -> str:
 
 
 def padding_invariance(s: Session) -> Property:
-    """Left-padded = right-padded = each text alone, unpadded, on live positions."""
+    """Left-padded = right-padded = each text without padding (alone, or with the texts of its
+    length), on live positions."""
     right = s.padded("right")
-    pairs = [Pair(right.only(i), s.alone(i)) for i in range(s.samples.size)]
+    pairs = [Pair(right.only(i), s.unpadded(i)) for i in range(s.samples.size)]
     note = _left_applies(s)
     if not note:
         left = s.padded("left")
-        pairs += [Pair(left.only(i), s.alone(i)) for i in range(s.samples.size)]
+        pairs += [Pair(left.only(i), s.unpadded(i)) for i in range(s.samples.size)]
         pairs.append(Pair(left, right))
     return s.judge(pairs, note)
 
@@ -128,19 +129,25 @@ def _cached_run(s: Session, batch: Batch, key: str, texts: tuple[int, ...]) -> R
 
 def cache_equivalence(s: Session) -> Property:
     """Prefill plus cached steps = the full forward: the reference batch (left-padded for causal
-    LMs) and one text alone, unpadded."""
+    LMs) and the texts of one length, unpadded."""
     if s.adapter.cache is not None:
         return _not_applicable(s.adapter.cache)
-    # the unpadded case: the shortest text of 5 tokens or more (the cheapest that still gets a
-    # chunk and single steps), else the longest
+    # the unpadded case: the texts as long as the shortest text of 5 tokens or more (the
+    # cheapest that still gets a chunk and single steps), else as the longest
     lengths = [len(x) for x in s.samples.seqs]
     long_enough = [(n, j) for j, n in enumerate(lengths) if n >= 5]
     i = min(long_enough)[1] if long_enough else lengths.index(max(lengths))
-    texts = tuple(range(s.samples.size))
+    batch, _ = s.samples.unpadded(i)
+    full = s.unpadded(i)
+    group = s.samples.same_length(i)
+    rows = tuple(range(len(group)))
     return s.judge(
         [
-            Pair(_cached_run(s, s.default, "cached", texts), s.ref),
-            Pair(_cached_run(s, s.samples.alone(i), f"cached alone {i}", (i,)), s.alone(i)),
+            Pair(_cached_run(s, s.default, "cached", tuple(range(s.samples.size))), s.ref),
+            Pair(
+                _cached_run(s, batch, "cached unpadded", group),
+                Run(full.key, full.name, full.call, rows, group),
+            ),
         ]
     )
 

@@ -132,11 +132,11 @@ class Session:
         """The reference batch's forward."""
         return self.batch_run(self.default, "ref")
 
-    def alone(self, i: int) -> Run:
-        """Text ``i`` alone, unpadded."""
-        batch = self.samples.alone(i)
-        call = self.batch_run(batch).call
-        return Run(f"alone {i}", f"text {i} alone, unpadded", call, (0,), (i,))
+    def unpadded(self, i: int) -> Run:
+        """Text ``i`` without padding: alone, or with the texts of its length (one call)."""
+        batch, row = self.samples.unpadded(i)
+        run = self.batch_run(batch, f"unpadded {len(self.samples.seqs[i])}")
+        return Run(run.key, batch.name, run.call, (row,), (i,))
 
     def padded(self, side: Side) -> Run:
         """The batch padded on ``side`` (the reference batch on the reference side)."""
@@ -229,6 +229,8 @@ class Session:
         Raises:
             ProbeError: a run raised.
         """
+        if not pairs:
+            return Property(None, None, None, "nothing to compare" + note)
         found: list[tuple[Pair, Worst]] = []
         for pair in pairs:
             a, b = self.live(pair.a), self.live(pair.b)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from qkv.doctor.batches import Samples
 from qkv.doctor.examination import PROPERTIES, Bound, Examination, Property
 from qkv.doctor.examine import examine, examine_texts
 from qkv.doctor.probes import adapter_for
@@ -207,3 +208,16 @@ def test_noisier_path_is_proven_against_its_own_float64_noise(tiny_lm, batch) ->
     assert "each run's own rounding" in p.bound.source
     assert p.error > 1e3 * e["pad_value_invariance"].bound.value  # far above the screen
     assert e.passed, str(e)
+
+
+def test_texts_of_one_length_run_unpadded_in_one_call() -> None:
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0], [3, 4, 2]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    samples, notes = Samples.from_batch(ids, mask, pad_id=None)
+    assert notes == [] and samples.pad_id == 0 and samples.pads == (0, 1, 0)
+    batch, row = samples.unpadded(2)
+    assert batch.ids.tolist() == [[5, 6, 7], [3, 4, 2]] and row == 1
+    assert batch.name == "the 2 texts of 3 tokens, unpadded" and bool(batch.mask.all())
+    alone, row = samples.unpadded(1)
+    assert alone.ids.tolist() == [[8, 9]] and alone.name == "text 1 alone, unpadded"
+    assert samples.padded("left").ids.tolist() == [[5, 6, 7], [0, 8, 9], [3, 4, 2]]
