@@ -4,8 +4,8 @@ Randomly initialised from a config (no download): GPT-2 small (124M parameters, 
 768) and a Llama of ~100M (12 layers, width 640, grouped-query attention). Prints each
 examination's table with its time per step (a run shared by several properties is charged to the
 first that needs it), the wall time and the CPU time; the issue's goal is under a minute on 2 CPU
-cores. On a shared machine the wall time includes waiting for the cores; CPU time / threads is
-what the examination needs of cores of its own.
+cores. On a shared machine the wall time includes waiting for the cores, which the CPU time does
+not.
 ``--quick``: 2 layers, width 64, 4 texts of 32 tokens (checks that the script runs).
 
 Usage: ``python benchmarks/examine.py [--quick] [--threads N] [--model gpt2|llama|both]``
@@ -69,8 +69,7 @@ def main() -> None:
         print(
             f"{name}: {params:.1f}M parameters, {model.config.num_hidden_layers} layers, "
             f"4 texts x {tokens} tokens, {args.threads} threads: examine took {seconds:.1f} s "
-            f"wall, {cpu:.1f} s CPU ({cpu / args.threads:.1f} s per thread: the wall time on "
-            "cores of its own)"
+            f"wall, {cpu:.1f} s CPU"
         )
         print()
 
