@@ -42,7 +42,7 @@ from qkv.nn.multihead import MultiHeadAttention
 __version__ = "0.2.0"
 
 _LAZY_SUBPACKAGES = frozenset(
-    {"apps", "backends", "checks", "convert", "integrations", "models", "nn", "train"}
+    {"apps", "backends", "checks", "convert", "doctor", "integrations", "models", "nn", "train"}
 )
 
 __all__ = [

@@ -121,3 +121,31 @@ def test_html_capture_writes_one_page_with_the_captured_heads(
         for head in range(4):
             assert f"model.layers.1.self_attn · call {call} · sample 0 · head {head}" in page
     assert "model.layers.0.self_attn" not in page and "call 2" not in page
+
+
+def test_examine_adds_the_properties_and_fails_on_a_buggy_kernel(
+    llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts = ["--text", "w1 w2 w3 w4 w5", "--text", "w7 w8 w9"]
+    assert main(["doctor", str(llama_dir), *texts, "--examine"]) == 0
+    out = capsys.readouterr().out
+    assert "examination of transformers LlamaForCausalLM (causal-lm)" in out
+    assert "examination passed" in out
+    AttentionInterface.register("doctor_cli_drops_mask", drops_mask)
+    AttentionMaskInterface.register("doctor_cli_drops_mask", sdpa_mask)
+    code = main(
+        [
+            "doctor",
+            str(llama_dir),
+            *texts,
+            "--examine",
+            "--json",
+            "--attn-implementation",
+            "doctor_cli_drops_mask",
+        ]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1
+    props = data["examination"]["properties"]
+    assert props["pad_value_invariance"]["passed"] is False
+    assert props["causality"]["passed"] is True

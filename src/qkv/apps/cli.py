@@ -193,10 +193,15 @@ def add_embed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv doctor DIR --text TEXT... [--json] [--html OUT --capture PATTERN]``."""
+    """``qkv doctor DIR --text TEXT... [--examine] [--json] [--html OUT --capture PATTERN]``."""
     p.add_argument("directory", help="a Hugging Face save_pretrained directory")
     p.add_argument("--text", action="append", default=[], help="a text to run (repeatable)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--examine",
+        action="store_true",
+        help="also examine the model's invariances on the texts (exit 1 on a failure)",
+    )
     p.add_argument("--html", default=None, metavar="OUT", help="write captured attention here")
     p.add_argument(
         "--capture",

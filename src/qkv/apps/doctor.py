@@ -1,5 +1,8 @@
 """``qkv doctor DIR --text ...``: watch a saved ``transformers`` model's attention on some texts.
 
+With ``--examine`` the model's invariances are examined on the same texts too
+(:func:`qkv.doctor.examine_texts`).
+
 The directory is loaded with ``transformers`` (its tokenizer too); the texts run as a
 left-padded and a right-padded batch, and causal LMs and encoder-decoders take one cached step
 after each, all inside :func:`qkv.doctor.watch`. The table (or ``--json``) is printed; the exit
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 
-from qkv.doctor import Report, watch
+from qkv.doctor import Report, examine_texts, watch
 
 __all__ = ["load_for_doctor", "run_doctor", "run_texts"]
 
@@ -114,7 +117,8 @@ def run_texts(
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    """``qkv doctor``: print the findings; 1 when one is an error, else 0.
+    """``qkv doctor``: print the findings (and, with ``--examine``, the properties); 1 when a
+    finding is an error or a property fails, else 0.
 
     Raises:
         ValueError: a bad directory, no text, or ``--html`` without ``--capture``.
@@ -125,12 +129,20 @@ def run_doctor(args: argparse.Namespace) -> int:
         raise ValueError("--html needs --capture PATTERN (the module paths to record)")
     model, tokenizer = load_for_doctor(args.directory, args.attn_implementation)
     report, tokens = run_texts(model, tokenizer, list(args.text), args.capture)
+    exam = examine_texts(model, tokenizer, list(args.text)) if args.examine else None
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2, default=str))
+        data = report.to_dict()
+        if exam is not None:
+            data["examination"] = exam.to_dict()
+        print(json.dumps(data, indent=2, default=str))
     else:
         print(report)
+        if exam is not None:
+            print()
+            print(exam)
     if args.html:
         report.save_html(args.html, tokens=tokens)
         if not args.json:
             print(f"attention written to {args.html}")
-    return 1 if any(f.severity == "error" for f in report.findings) else 0
+    failed = any(f.severity == "error" for f in report.findings)
+    return 1 if failed or (exam is not None and not exam.passed) else 0

@@ -8,8 +8,23 @@ implementation) and reports findings; ``qkv.doctor.examine`` checks a model's in
 
 from __future__ import annotations
 
+from qkv.doctor.examination import PROPERTIES, Bound, Examination, Property
+from qkv.doctor.examine import examine, examine_texts
 from qkv.doctor.findings import KINDS, Finding, KindDoc
 from qkv.doctor.report import Captured, Report
 from qkv.doctor.watch import watch
 
-__all__ = ["KINDS", "Captured", "Finding", "KindDoc", "Report", "watch"]
+__all__ = [
+    "KINDS",
+    "PROPERTIES",
+    "Bound",
+    "Captured",
+    "Examination",
+    "Finding",
+    "KindDoc",
+    "Property",
+    "Report",
+    "examine",
+    "examine_texts",
+    "watch",
+]
