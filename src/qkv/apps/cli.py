@@ -8,6 +8,7 @@ import argparse
 import importlib.metadata
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields
@@ -470,7 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0; 2 after printing an error (bad input, a file that cannot be read or
         written, a checkpoint that cannot be trusted) as one line ``qkv CMD: error: ...`` on
         stderr, never a traceback; 130 / 143 after a training run stopped by SIGINT / SIGTERM
-        (it saves first); 130 for Ctrl-C elsewhere; 141 when stdout is a closed pipe
+        (it saves first, or not after a second signal, which exits 128 + that signal too);
+        130 for Ctrl-C elsewhere; 141 when stdout is a closed pipe
         (``qkv ... | head``).
     """
     args = build_parser().parse_args(argv)
@@ -482,8 +484,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
         return 141
-    except KeyboardInterrupt:
-        return _fail(args.command, "interrupted", 130)
+    except KeyboardInterrupt as err:
+        # 128 + the signal: a training run's second SIGTERM is 143, Ctrl-C 130
+        signum = int(getattr(err, "signum", signal.SIGINT))
+        return _fail(args.command, f"interrupted ({signal.Signals(signum).name})", 128 + signum)
     except (ValueError, TypeError) as err:
         return _fail(args.command, str(err))
     except OSError as err:

@@ -123,6 +123,21 @@ class TrainResult:
     stopped_by: int | None = None
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT / SIGTERM during training: stop at once, without saving.
+
+    A ``KeyboardInterrupt`` (what Ctrl-C raises elsewhere) that knows its signal, so that the
+    command exits ``128 + signum``: 143 after two SIGTERMs, 130 after two Ctrl-C.
+
+    Attributes:
+        signum: the signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"second signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class _StopOnSignal:
     """SIGINT / SIGTERM handlers that ask the loop to stop after the current step.
 
@@ -137,7 +152,7 @@ class _StopOnSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
+            raise Interrupted(signum)
         self.received = signum
 
     @contextmanager
