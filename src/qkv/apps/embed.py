@@ -140,6 +140,13 @@ def _check_sentences(sentences: Sequence[str]) -> list[str]:
     for i, s in enumerate(items):
         if not isinstance(s, str):
             raise TypeError(f"sentences[{i}] must be a str, got {type(s).__name__}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as err:  # the tokenizer's own message names no sentence
+            raise ValueError(
+                f"sentences[{i}] is not valid text: a lone surrogate {s[err.start]!r} at "
+                f"position {err.start}"
+            ) from None
     return items
 
 
