@@ -23,7 +23,8 @@ import torch
 import transformers as tr
 
 import qkv.convert.hf_load as hf_load
-from qkv.convert import load_hf
+from qkv.apps.embed import default_model_dir, load_tokenizer
+from qkv.convert import load_bert, load_hf
 from qkv.models import DecoderOnlyLM
 
 
@@ -282,3 +283,13 @@ def test_rope_type_of_the_wrong_type(saved: dict[str, Path], tmp_path: Path) -> 
     root = _copy(saved["llama"], tmp_path / "ckpt", rope_scaling={"rope_type": ["linear"]})
     with pytest.raises(ValueError, match=r"rope_scaling.rope_type must be a string"):
         load_hf(root)
+
+
+def test_a_tokenizer_linked_outside_is_refused(saved: dict[str, Path], tmp_path: Path) -> None:
+    root = _copy(saved["bert"], tmp_path / "ckpt")
+    outside = tmp_path / "tokenizer.json"
+    shutil.copy(default_model_dir() / "tokenizer.json", outside)
+    (root / "tokenizer.json").symlink_to(outside)
+    config = load_bert(root).config
+    with pytest.raises(ValueError, match=r"tokenizer\.json.* outside the checkpoint directory"):
+        load_tokenizer(root, config)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from qkv.checks import check_positive_int
 from qkv.convert.hf_bert import check_checkpoint_dir, load_bert
+from qkv.convert.hf_files import inside
 from qkv.models.bert import BertConfig
 
 __all__ = [
@@ -104,12 +105,13 @@ def load_tokenizer(model_dir: str | Path, config: BertConfig) -> Tokenizer:
     Raises:
         FileNotFoundError: no ``tokenizer.json``.
         ValueError: a file that ``tokenizers`` cannot read, an unreadable
-            ``sentence_bert_config.json``.
+            ``sentence_bert_config.json``, a ``tokenizer.json`` that links out of the directory.
     """
     root = Path(model_dir)
     path = root / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
+    inside(root, "tokenizer.json", "tokenizer.json")  # not a link out of the directory
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
