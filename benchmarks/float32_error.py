@@ -21,7 +21,9 @@ opt-in trades away; it is not held to the goal.
 ``tests/backends/test_float32_error.py`` runs :func:`measure` on a few seeded cases; this script
 is the long run.
 
-Usage: ``python benchmarks/float32_error.py [--cases N] [--seed S]``.
+With ``--bias`` every case also adds a random float32 ``attn_bias`` to the scores.
+
+Usage: ``python benchmarks/float32_error.py [--cases N] [--seed S] [--bias]``.
 """
 
 from __future__ import annotations
@@ -45,17 +47,28 @@ TINY = torch.finfo(torch.float32).tiny
 
 Ratios = dict[str, dict[str, list[float]]]
 """contestant -> tensor name -> one ratio per case."""
-Formula = Callable[[Tensor, Tensor, Tensor, Tensor, float], Tensor]
-"""``(q, k, v, mask, scale) -> output``, float32 in, float32 out."""
+Formula = Callable[[Tensor, Tensor, Tensor, Tensor, float, Tensor | None], Tensor]
+"""``(q, k, v, mask, scale, bias) -> output``, float32 in, float32 out (bias may be None)."""
 
 
-def _backend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, backend: str) -> Tensor:
-    return qkv.attention(q, k, v, mask=mask, scale=scale, backend=backend)[0]
+def _backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float,
+    bias: Tensor | None = None,
+    *,
+    backend: str,
+) -> Tensor:
+    return qkv.attention(q, k, v, mask=mask, attn_bias=bias, scale=scale, backend=backend)[0]
 
 
-def _sdpa_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def _sdpa_backward(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, bias: Tensor | None = None
+) -> Tensor:
     with qkv.allow_sdpa_backward():
-        return qkv.attention(q, k, v, mask=mask, scale=scale, backend="fused")[0]
+        return qkv.attention(q, k, v, mask=mask, attn_bias=bias, scale=scale, backend="fused")[0]
 
 
 CONTESTANTS: dict[str, Formula] = {
@@ -65,20 +78,34 @@ CONTESTANTS: dict[str, Formula] = {
 """Every formula measured: the backends, held to the goal, and SDPA's own backward."""
 
 
-def _naive(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def _naive(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, bias: Tensor | None = None
+) -> Tensor:
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [B, H, S, D]
-    scores = (q @ k.transpose(-2, -1) * scale).masked_fill(mask, float("-inf"))  # [B, H, T, S]
+    scores = q @ k.transpose(-2, -1) * scale  # [B, H, T, S]
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)  # [B, H, T, S]
+    scores = scores.masked_fill(mask, float("-inf"))  # [B, H, T, S]
     return torch.softmax(scores, dim=-1) @ v  # [B, H, T, Dv]
 
 
 def _abs_scales(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, d_out: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float,
+    d_out: Tensor,
+    bias: Tensor | None = None,
 ) -> list[float]:
     """‖·‖ of out, dq, dk, dv computed in float64 with every term in absolute value."""
     Hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [B, H, S, D]
-    scores = (q @ ke.transpose(-2, -1) * scale).masked_fill(mask, float("-inf"))  # [B, H, T, S]
+    scores = q @ ke.transpose(-2, -1) * scale  # [B, H, T, S]
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)  # [B, H, T, S]
+    scores = scores.masked_fill(mask, float("-inf"))  # [B, H, T, S]
     p = torch.softmax(scores, dim=-1)  # [B, H, T, S]
     out = p @ ve  # [B, H, T, Dv]
     delta = (d_out * out).sum(-1, keepdim=True).abs()  # [B, H, T, 1]
@@ -90,11 +117,11 @@ def _abs_scales(
     return [float(x.norm()) for x in (p @ ve.abs(), dq, dk, dv)]
 
 
-def _case(gen: torch.Generator) -> tuple[list[Tensor], Tensor, float]:
+def _case(gen: torch.Generator, max_len: int = 40) -> tuple[list[Tensor], Tensor, float]:
     def r(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
-    B, Hkv, T, S, Dh = r(1, 2), r(1, 2), r(1, 40), r(1, 40), r(4, 32)
+    B, Hkv, T, S, Dh = r(1, 2), r(1, 2), r(1, max_len), r(1, max_len), r(4, 32)
     H = Hkv * r(1, 2)
     mag = float(torch.empty(1).uniform_(0.5, 3.0, generator=gen))
     qkv_in = [
@@ -119,12 +146,29 @@ def _errors(
     return [float((g.detach().double() - w).norm()) for g, w in zip(got, want, strict=True)]
 
 
-def measure(cases: int, seed: int = 0) -> Ratios:
+BIAS_MAX_LEN = 160
+"""The longest T and S of a case with a bias: the error a bias case tests grows with S (issue 27
+measured it at T = S = 128)."""
+
+
+def _bias(gen: torch.Generator, mask: Tensor) -> Tensor:
+    """A float32 score bias ``[T, S]`` (shared by every batch and head, as a relative-position
+    or ALiBi bias), of standard deviation up to 10 (an ALiBi bias reaches ``slope · S``): a
+    score near its row max then holds a large ``q · k`` offset by the bias, the case where
+    rounding ``q · k - max`` before adding the bias lost digits (issue 27)."""
+    T, S = mask.shape[-2:]
+    mag = float(torch.empty(1).uniform_(0.5, 10.0, generator=gen))
+    return torch.randn(T, S, generator=gen) * mag  # [T, S]
+
+
+def measure(cases: int, seed: int = 0, *, bias: bool = False) -> Ratios:
     """Each contestant's error / (naive float32 error + ulp) on ``cases`` random cases.
 
     Args:
         cases: how many random cases.
         seed: seed of the case generator.
+        bias: add a random float32 ``attn_bias`` to the scores of every case (the gradients
+            measured stay those of q, k, v).
 
     Returns:
         contestant (:data:`CONTESTANTS`) -> ``"out" | "dq" | "dk" | "dv"`` -> the ratio of each
@@ -133,16 +177,18 @@ def measure(cases: int, seed: int = 0) -> Ratios:
     gen = torch.Generator().manual_seed(seed)
     ratios: Ratios = {c: {n: [] for n in NAMES} for c in CONTESTANTS}
     for _ in range(cases):
-        qkv64, mask, scale = _case(gen)
+        qkv64, mask, scale = _case(gen, BIAS_MAX_LEN if bias else 40)
+        b = _bias(gen, mask) if bias else None
+        b64 = None if b is None else b.double()  # the float32 bias, exactly
         leaves = [x.detach().requires_grad_() for x in qkv64]
-        ref = _naive(*leaves, mask, scale)
+        ref = _naive(*leaves, mask, scale, b64)
         d_out = torch.linspace(-1, 1, ref.numel(), dtype=ref.dtype).reshape(ref.shape)
         want = [ref.detach(), *torch.autograd.grad(ref, leaves, d_out)]
-        scales = _abs_scales(*qkv64, mask, scale, d_out)
+        scales = _abs_scales(*qkv64, mask, scale, d_out, b64)
         ulps = [EPS * max(x, TINY) for x in scales]  # > 0 also for a tensor of zeros
-        naive = _errors(partial(_naive, mask=mask, scale=scale), qkv64, want)
+        naive = _errors(partial(_naive, mask=mask, scale=scale, bias=b), qkv64, want)
         for c, formula in CONTESTANTS.items():
-            got = _errors(partial(formula, mask=mask, scale=scale), qkv64, want)
+            got = _errors(partial(formula, mask=mask, scale=scale, bias=b), qkv64, want)
             for n, e, e0, ulp in zip(NAMES, got, naive, ulps, strict=True):
                 ratios[c][n].append(e / (e0 + ulp))
     return ratios
@@ -171,8 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--cases", type=int, default=300, help="random cases")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bias", action="store_true", help="add a random attn_bias to each case")
     args = parser.parse_args(argv)
-    print(summary(measure(args.cases, args.seed)))
+    print(summary(measure(args.cases, args.seed, bias=args.bias)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ temp directory, in README order (a bash block may use what an earlier bash block
 blocks of one section share a directory). ``console`` blocks are output, not commands; their first
 ``$`` line is run and must succeed.
 
+A ``python`` block may show what it prints: each comment line ``# -> TEXT`` is one printed line,
+in order (other lines may come between), ``...`` standing for any text; the test compares them
+with what the block printed, so a shown output cannot go stale.
+
 A block the test must not run is preceded by an HTML comment the reader never sees::
 
     <!-- readme-test: skip (why) -->
@@ -101,3 +105,34 @@ def test_readme_block_runs(line: int, lang: str, body: str, why: str | None, wor
         cmd = ["bash", "-e", "-c", commands[0]]
     run = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"README line {line}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    missing = _unshown(_shown(body), run.stdout.splitlines())
+    assert missing is None, (
+        f"README line {line} shows {missing!r}, but the block printed:\n{run.stdout[-3000:]}"
+    )
+
+
+def _shown(body: str) -> list[str]:
+    """The ``# -> TEXT`` lines of a block: what it says it prints."""
+    return [ln.strip()[5:] for ln in body.splitlines() if ln.strip().startswith("# -> ")]
+
+
+def _unshown(shown: list[str], printed: list[str]) -> str | None:
+    """The first shown line that no printed line matches, in order (``...`` = any text)."""
+    rest = iter(printed)
+    for want in shown:
+        pattern = re.compile(".*".join(re.escape(part) for part in want.split("...")))
+        if not any(pattern.fullmatch(got.strip()) for got in rest):
+            return want
+    return None
+
+
+def test_shown_output_is_compared() -> None:
+    """The comparison is not blind: the stale line the README once showed does not match."""
+    printed = [
+        "fused: Causal(align='bottom_right') | Padding(lengths=[6000]) reduced exactly to 1 "
+        "SDPA call(s) on 46% of the query-key pairs"
+    ]
+    assert _unshown(["fused: ... reduced exactly to 1 SDPA call(s) ..."], printed) is None
+    stale = "blockwise: materializing the mask for SDPA would take about 320.0 MB ..."
+    assert _unshown([stale], printed) == stale
+    assert _shown("x = 1\n# -> a ... b\nprint(x)  # -> not a shown line\n") == ["a ... b"]

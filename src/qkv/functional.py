@@ -8,11 +8,15 @@ Masks follow qkv's one convention (see :mod:`qkv.masks`): a bool tensor broadcas
 blocked gets weights 0 and output 0, with finite gradients.
 
 Precision: float16 / bfloat16 inputs are cast to float32 before the dot product, float64 stays
-float64, any enclosing autocast is disabled, and results come back in the input dtype.
+float64, any enclosing autocast is disabled, and results come back in the input dtype. A
+float32 or bfloat16 call whose scores overflow float32 (finite ``|q| · |k|`` beyond about 1e19,
+which gave NaN) is computed again in float64, eagerly: :func:`attention` returns no NaN that
+its finite inputs do not explain.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import warnings
@@ -30,7 +34,7 @@ from qkv.backends.flex import FlexKernelsExhaustedError, flex_attention_qkv, fle
 from qkv.backends.fused import blockwise_trains_faster, fused_attention
 from qkv.backends.reductions import reduced_attention
 from qkv.backends.reference import reference_attention
-from qkv.checks import check_positive_int, check_probability
+from qkv.checks import check_positive_int, check_probability, checks_values
 from qkv.masks import StructuredMask, causal_mask, combine
 from qkv.masks.validate import as_4d, validate_mask
 
@@ -424,7 +428,7 @@ def attention(
     if has_torch_function((query, key, value)):
         # a TorchFunctionMode (qkv.doctor.watch) or a tensor subclass sees this call, as it
         # sees F.scaled_dot_product_attention; without one this is one C-level check
-        out: tuple[Tensor, Tensor | None] = handle_torch_function(
+        result: tuple[Tensor, Tensor | None] = handle_torch_function(
             attention,
             (query, key, value),
             query,
@@ -442,10 +446,51 @@ def attention(
             block_k=block_k,
             bias=bias,
         )
-        return out
+        return result
     # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
     # parameters above are the one list of them (explain_backend binds the same names).
-    return _run(_resolve(locals()))
+    call = _resolve(locals())
+    out, weights = _run(call)
+    if _overflowed(call, out):
+        out, weights = _run_in_float64(call)
+    return out, weights
+
+
+def _overflowed(call: _Call, out: Tensor) -> bool:
+    """Whether a float32 / bfloat16 call gave NaN from finite inputs: its float32 scores
+    overflowed (``|q| · |k|`` beyond about 1e19), ``inf - inf`` in the softmax.
+
+    One look at the output (no larger than the queries) per eager call; the inputs are
+    read only when it holds a NaN. Never under tracing: data-dependent. float16 cannot
+    overflow float32 scores (65504² · Dh is far below 3e38) and float64 is computed in float64.
+    """
+    if out.dtype not in (torch.float32, torch.bfloat16) or not checks_values():
+        return False
+    if not bool(torch.isnan(out).any()):
+        return False
+    finite = all(bool(torch.isfinite(x).all()) for x in (call.query, call.key, call.value))
+    bias = call.attn_bias
+    if bias is not None:  # -inf is a bias's way to block a key
+        finite = finite and not bool((torch.isnan(bias) | torch.isposinf(bias)).any())
+    return finite
+
+
+def _run_in_float64(call: _Call) -> tuple[Tensor, Tensor | None]:
+    """``call`` computed in float64 (same backend; flex's compiled kernels become blockwise),
+    the results cast back to the input dtype; gradients flow through the casts."""
+    wide = dataclasses.replace(
+        call,
+        query=call.query.double(),
+        key=call.key.double(),
+        value=call.value.double(),
+        attn_bias=None if call.attn_bias is None else call.attn_bias.double(),
+    )
+    if wide.choice is not None and wide.choice.backend == "flex":
+        blockwise = dataclasses.replace(wide.choice, backend="blockwise")
+        wide = dataclasses.replace(wide, choice=blockwise)
+    out, weights = _run(wide)
+    dtype = call.query.dtype
+    return out.to(dtype), None if weights is None else weights.to(dtype)
 
 
 _P = ParamSpec("_P")

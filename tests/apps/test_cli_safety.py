@@ -10,11 +10,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
+import qkv.apps.training as training
+import qkv.train.loop as loop
 from qkv.apps.cli import build_parser, main
 from qkv.train.checkpoint import load_checkpoint
 
@@ -190,3 +193,21 @@ def test_old_spellings_still_parse() -> None:
     assert vars(old) == vars(new)
     kinds = parser.parse_args(["plot", "ckpt", "x", "--kind", "encoder-self", "--kind", "cross"])
     assert kinds.kind == ["encoder self", "cross"]
+
+
+def test_two_sigterms_exit_143(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27: a second SIGTERM (stop at once, no save) exited 130 with "interrupted", Ctrl-C's
+    code; it is 128 + SIGTERM. The real handler of ``qkv train``, two real signals."""
+
+    def two_sigterms(cfg: object, opts: object) -> object:
+        with loop._StopOnSignal().installed():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the second signal's handler raises before this ends
+        raise AssertionError("the second signal did not stop the run")
+
+    monkeypatch.setattr(training, "train", two_sigterms)
+    assert main(["train", *TINY, "--steps", "3"]) == 143
+    assert "interrupted (SIGTERM)" in capsys.readouterr().err

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
+import torch
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
 from qkv.apps.cli import main
 from qkv.apps.recording import AttentionMaps, checkpoint_attention
-from qkv.apps.viz import DEFAULT_PNG, grid_shape, plot_attention
+from qkv.apps.viz import DEFAULT_PNG, grid_shape, plot_attention, plot_positional, save_figure
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "qkv_0_1"
 REVERSE, TEXT = FIXTURES / "reverse", FIXTURES / "text"
@@ -126,3 +127,20 @@ def test_cli_refuses_html_with_positional_and_unknown_kinds(
 def test_plot_attention_refuses_no_kinds(reverse_maps: AttentionMaps) -> None:
     with pytest.raises(ValueError, match=r"kinds must name at least one attention kind, got \(\)"):
         plot_attention(reverse_maps, ())
+
+
+def test_user_text_is_text_not_mathtext(tmp_path: Path, reverse_maps: AttentionMaps) -> None:
+    """Issue 27: ``qkv plot DIR '$\\foo$ abc'`` exited 2 with matplotlib's ParseException: the
+    input (title and token labels) was parsed as mathtext. Now it is drawn as written."""
+    odd = ["$\\foo$", "$", "a_b^c", "$x$"]
+    tokens = {k: [odd[i % len(odd)] for i in range(len(v))] for k, v in reverse_maps.keys.items()}
+    queries = {
+        k: [odd[i % len(odd)] for i in range(len(v))] for k, v in reverse_maps.queries.items()
+    }
+    maps = AttentionMaps(reverse_maps.weights, queries, tokens)
+    fig = plot_attention(maps, ("cross",), title="'$\\foo$ abc' -> '$'")
+    save_figure(fig, tmp_path / "odd.png")
+    assert fig.axes[0].get_xticklabels()[0].get_text() == "$\\foo$"
+    fig = plot_positional(torch.zeros(4, 6), title="$\\foo$ positions")
+    save_figure(fig, tmp_path / "pos.png")
+    assert fig.axes[0].get_title() == "$\\foo$ positions"

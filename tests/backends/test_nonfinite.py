@@ -136,3 +136,38 @@ def test_blockwise_dropout_one_keeps_the_graph() -> None:
         assert got is not None and want is not None
         torch.testing.assert_close(got, want)
         assert torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("dtype", "magnitude"), [(torch.bfloat16, 1e20), (torch.float32, 1e19)])
+def test_scores_beyond_float32_are_computed_not_nan(
+    backend: str, dtype: torch.dtype, magnitude: float
+) -> None:
+    """Issue 27: finite q and k whose float32 scores overflow (bfloat16 has float32's range)
+    gave NaN on every backend, while the float64 result is finite. Now the call is computed
+    again in float64: the output and gradients are the float64 ones, rounded."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 2, n, 8, generator=g) * magnitude for n in (5, 7))
+    v = torch.randn(2, 2, 7, 8, generator=g)
+    bias = torch.randn(5, 7, generator=g)  # [T, S]
+    inputs = [x.to(dtype) for x in (q, k, v)]
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out, _ = qkv.attention(*leaves, attn_bias=bias.to(dtype), backend=backend)  # type: ignore[arg-type]
+    d_out = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    grads = torch.autograd.grad(out, leaves, d_out.to(dtype))
+    wide = [x.detach().double().requires_grad_() for x in inputs]
+    want, _ = qkv.attention(*wide, attn_bias=bias.to(dtype).double(), backend="reference")
+    want_grads = torch.autograd.grad(want, wide, d_out.double())
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(out, want.to(dtype))
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, expected.to(dtype))
+
+
+def test_a_nan_input_still_gives_nan() -> None:
+    """The float64 retry is for overflow only: a NaN the inputs hold stays in the output."""
+    q, k, v = (torch.randn(1, 1, 3, 4) for _ in range(3))
+    v[0, 0, 1, 0] = float("nan")
+    out, _ = qkv.attention(q, k, v)
+    assert out[..., 0].isnan().all() and not out[..., 1:].isnan().any()

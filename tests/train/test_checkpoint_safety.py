@@ -192,3 +192,28 @@ def test_a_config_that_fits_the_bounds_but_not_the_weights_names_both_shapes(
     model, _, ckpt = load_trained(trained)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, ckpt.weights[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("failing", ["train_state", "config.json"])
+def test_a_failed_save_removes_exactly_the_files_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """Issue 27: a save that failed on a full disk left an orphan ``model-<step>-<hash>``
+    file that no manifest names. Now the directory is as before: the previous checkpoint's
+    files, a user's file, nothing of the failed save."""
+    _save(tmp_path, step=1)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    real_replace = os.replace
+
+    def full_disk(src: str, dst: str) -> None:
+        if Path(dst).name.startswith(failing):
+            raise OSError(28, "No space left on device", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _save(tmp_path, step=2)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert load_checkpoint(tmp_path).step == 1

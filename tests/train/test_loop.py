@@ -144,3 +144,16 @@ def test_exact_match_needs_the_whole_sequence_and_eos(
     acc, loss = evaluate(_Oracle(task, emit_eos), task, cfg)
     assert acc == expected
     assert math.isclose(loss, math.log(task.vocab.size), rel_tol=1e-6)
+
+
+def test_progress_into_a_log_is_a_line_per_evaluation(
+    tiny: Callable[..., TrainConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27: with stderr not a terminal (``make demo > log 2>&1``) the bar's carriage-return
+    redraws filled the log (278 kB for the demo); now there is one line per evaluation."""
+    train(tiny(steps=6, eval_every=3, eval_size=4), RunOptions(progress=True, log_evals=False))
+    captured = capsys.readouterr()  # pytest's capture: not a terminal
+    assert "\r" not in captured.err + captured.out
+    lines = captured.out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 3", "step 6"]
+    assert all("train loss" in line and "tokens/s" in line for line in lines)

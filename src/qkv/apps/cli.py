@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import itertools
 import os
 import re
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -18,7 +20,14 @@ import torch
 from qkv.apps.bench import CASES, format_table, run_benchmarks
 from qkv.apps.demo import print_demo, run_demo
 from qkv.apps.doctor import run_doctor
-from qkv.apps.embed import embed, format_embed
+from qkv.apps.embed import SentenceEmbedder, embed, format_embed
+from qkv.apps.embed_many import (
+    MAX_MATRIX,
+    check_text,
+    read_lines,
+    write_embeddings,
+    write_neighbours,
+)
 from qkv.apps.shapes import trace_attention_shapes, trace_model_shapes
 from qkv.apps.training import run_generate, run_train
 from qkv.apps.viz import DEFAULT_PNG, KINDS, run_plot
@@ -184,12 +193,34 @@ def add_shapes_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv embed SENTENCE... [--model DIR] [--backend NAME]``."""
-    p.add_argument("sentences", nargs="+", help="the sentences to embed")
+    """``qkv embed [SENTENCE...] [--input FILE|-] [--top-k K | --embeddings] [--model DIR]
+    [--backend NAME] [--batch-size N]``."""
+    p.add_argument("sentences", nargs="*", help="the sentences to embed")
+    p.add_argument(
+        "-i",
+        "--input",
+        metavar="FILE",
+        default=None,
+        help="read the sentences from FILE, one per line (UTF-8; '-' for standard input)",
+    )
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--top-k",
+        metavar="K",
+        type=_positive,
+        default=None,
+        help="print each sentence's K most similar others instead of the similarity matrix",
+    )
+    shown.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="print one line of embedding values per sentence (memory of one batch)",
+    )
     p.add_argument(
         "--model", default=None, help="BERT checkpoint directory (default: all-MiniLM-L6-v2)"
     )
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention backend")
+    p.add_argument("--batch-size", type=_positive, default=32, help="sentences per forward pass")
 
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
@@ -416,7 +447,28 @@ def _cmd_shapes(args: argparse.Namespace) -> int:
 
 
 def _cmd_embed(args: argparse.Namespace) -> int:
-    print(format_embed(embed(args.sentences, args.model, backend=args.backend)))
+    if args.sentences and args.input is not None:
+        raise ValueError("give sentences as arguments or --input FILE, not both")
+    if not args.sentences and args.input is None:
+        raise ValueError("give sentences as arguments, or --input FILE ('-': standard input)")
+    for i, text in enumerate(args.sentences):
+        check_text(text, f"sentence argument {i + 1}")
+    sentences: Iterable[str] = args.sentences or read_lines(args.input)
+    total = len(args.sentences) or None
+    if args.embeddings or args.top_k is not None:
+        embedder = SentenceEmbedder(args.model, backend=args.backend, batch_size=args.batch_size)
+        if args.embeddings:
+            write_embeddings(embedder, sentences, sys.stdout, total)
+        else:
+            write_neighbours(embedder, sentences, args.top_k, sys.stdout, total)
+        return 0
+    items = list(itertools.islice(sentences, MAX_MATRIX + 1))
+    if len(items) > MAX_MATRIX:
+        raise ValueError(
+            f"more than {MAX_MATRIX} sentences: their similarity matrix would be N x N numbers; "
+            "print each one's nearest with --top-k K, or the vectors with --embeddings"
+        )
+    print(format_embed(embed(items, args.model, backend=args.backend)))
     return 0
 
 
@@ -455,8 +507,10 @@ _COMMANDS: tuple[tuple[str, str, str, _Adder, _Handler], ...] = (
     ),
     (
         "embed",
-        "sentence embeddings and their cosine similarities",
-        'qkv embed "A cat sits." "A dog runs." --backend blockwise',
+        "sentence embeddings: their cosine similarities, nearest neighbours or values",
+        'qkv embed "A cat sits." "A dog runs." --backend blockwise\n'
+        "  qkv embed --input sentences.txt --top-k 5\n"
+        "  cat sentences.txt | qkv embed --input - --embeddings > vectors.txt",
         add_embed_arguments,
         _cmd_embed,
     ),
@@ -542,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0; 2 after printing an error (bad input, a file that cannot be read or
         written, a checkpoint that cannot be trusted) as one line ``qkv CMD: error: ...`` on
         stderr, never a traceback; 130 / 143 after a training run stopped by SIGINT / SIGTERM
-        (it saves first); 130 for Ctrl-C elsewhere; 141 when stdout is a closed pipe
+        (it saves first, or not after a second signal, which exits 128 + that signal too);
+        130 for Ctrl-C elsewhere; 141 when stdout is a closed pipe
         (``qkv ... | head``).
     """
     args = build_parser().parse_args(argv)
@@ -554,8 +609,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
         return 141
-    except KeyboardInterrupt:
-        return _fail(args.command, "interrupted", 130)
+    except KeyboardInterrupt as err:
+        # 128 + the signal: a training run's second SIGTERM is 143, Ctrl-C 130
+        signum = int(getattr(err, "signum", signal.SIGINT))
+        return _fail(args.command, f"interrupted ({signal.Signals(signum).name})", 128 + signum)
     except (ValueError, TypeError) as err:
         return _fail(args.command, str(err))
     except OSError as err:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from qkv.checks import check_positive_int
 from qkv.convert.hf_bert import check_checkpoint_dir, load_bert
+from qkv.convert.hf_files import inside
 from qkv.models.bert import BertConfig
 
 __all__ = [
@@ -104,12 +105,13 @@ def load_tokenizer(model_dir: str | Path, config: BertConfig) -> Tokenizer:
     Raises:
         FileNotFoundError: no ``tokenizer.json``.
         ValueError: a file that ``tokenizers`` cannot read, an unreadable
-            ``sentence_bert_config.json``.
+            ``sentence_bert_config.json``, a ``tokenizer.json`` that links out of the directory.
     """
     root = Path(model_dir)
     path = root / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
+    inside(root, "tokenizer.json", "tokenizer.json")  # not a link out of the directory
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
@@ -140,6 +142,13 @@ def _check_sentences(sentences: Sequence[str]) -> list[str]:
     for i, s in enumerate(items):
         if not isinstance(s, str):
             raise TypeError(f"sentences[{i}] must be a str, got {type(s).__name__}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as err:  # the tokenizer's own message names no sentence
+            raise ValueError(
+                f"sentences[{i}] is not valid text: a lone surrogate {s[err.start]!r} at "
+                f"position {err.start}"
+            ) from None
     return items
 
 

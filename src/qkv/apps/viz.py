@@ -117,8 +117,9 @@ def plot_attention(
                 continue
             image = ax.imshow(w[h].float().numpy(), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
             ax.set_title(f"{kind} L{layer} H{h}", fontsize=font + 1)
-            ax.set_xticks(range(len(k_tok)), k_tok, fontsize=font, rotation=90)
-            ax.set_yticks(range(len(q_tok)), q_tok, fontsize=font)
+            # tokens and title are the user's text, never mathtext ("$\\foo$" is no error)
+            ax.set_xticks(range(len(k_tok)), k_tok, fontsize=font, rotation=90, parse_math=False)
+            ax.set_yticks(range(len(q_tok)), q_tok, fontsize=font, parse_math=False)
             ax.tick_params(length=0, pad=1)
             ax.set_xlabel("key", fontsize=font)
             ax.set_ylabel("query", fontsize=font)
@@ -127,7 +128,7 @@ def plot_attention(
     bar.set_label("attention weight", fontsize=font + 1)
     bar.ax.tick_params(labelsize=font)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=10, parse_math=False)
     return fig
 
 
@@ -140,7 +141,8 @@ def plot_positional(table: Tensor, *, dpi: int = 100, title: str | None = None) 
     ax.set_xlabel("dimension")
     ax.set_ylabel("position")
     ax.set_title(
-        title or f"sinusoidal positional encoding [L={table.shape[0]}, D={table.shape[1]}]"
+        title or f"sinusoidal positional encoding [L={table.shape[0]}, D={table.shape[1]}]",
+        parse_math=False,
     )
     fig.colorbar(image, ax=ax)
     fig.tight_layout()

@@ -265,14 +265,20 @@ class _Ctx:
         bk = t[3] - t[2]
         s = _view(buf, (n, rows, bk))  # [B*Hkv, G*bq, bk]
         q3, kt3 = qi.reshape(n, rows, -1), k.reshape(n, bk, -1).transpose(1, 2)
-        if shift is None:
+        b = bias_tile(attn_bias, *t)
+        # The shift goes inside the matmul only without a bias: with one, ``q · k - m`` is
+        # rounded relative to the bias-sized gap between them before the bias is added back,
+        # which made dv up to 3x less exact than a naive formula's (issue 27); ``(q · k + b)
+        # - m`` rounds as the forward did.
+        if shift is None or b is not None:
             torch.bmm(q3, kt3, out=s)  # [B*Hkv, G*bq, bk]
         else:
             torch.baddbmm(shift.reshape(n, rows, 1), q3, kt3, beta=-1.0, out=s)
         s4 = s.view(B, H, bq, bk)  # [B, H, bq, bk]: the same memory
-        b = bias_tile(attn_bias, *t)
         if b is not None:
             s4.add_(b)  # [B, H, bq, bk]
+            if shift is not None:
+                s4.sub_(shift)  # [B, H, bq, bk]
         if isinstance(tm, Tensor):
             if self.finite:
                 s4.add_(self.additive_mask(t, tm, s4))  # [B, H, bq, bk]

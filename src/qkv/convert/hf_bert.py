@@ -34,6 +34,7 @@ from qkv.convert.hf_files import (
     require_keys,
     weight_files,
 )
+from qkv.convert.hf_values import hf_float, hf_int
 from qkv.models.bert import BertConfig, BertEncoder
 
 __all__ = [
@@ -166,6 +167,13 @@ def bert_config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -
         "intermediate_size",
     )
     require_keys(hf, required, source)
+    for name in required:  # each named, and bounded before any shape is built from it
+        hf_int(hf, name, source)
+    for name in ("max_position_embeddings", "type_vocab_size"):
+        hf_int(hf, name, source, default=None, nullable=True)
+    hf_int(hf, "pad_token_id", source, default=None, low=0, nullable=True)
+    if hf.get("layer_norm_eps") is not None:
+        hf_float(hf, "layer_norm_eps", source, default=1e-12)
     optional = (
         "hidden_act",
         "hidden_dropout_prob",

@@ -14,6 +14,7 @@ along the output dim (GPT-2's fused ``c_attn``). The same rules run both ways.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from qkv.models.config import DecoderOnlyConfig
 
 __all__ = [
     "INDEX_FILE",
+    "MAX_JSON_BYTES",
     "WEIGHTS_FILE",
     "Header",
     "Rule",
@@ -35,6 +37,8 @@ __all__ = [
     "decoder_config",
     "expand_rules",
     "from_qkv",
+    "held_layers",
+    "inside",
     "listing",
     "read_config",
     "read_headers",
@@ -48,6 +52,8 @@ __all__ = [
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHOW = 12  # names listed per kind of problem in an error message
+MAX_JSON_BYTES = 64 * 2**20
+"""The largest ``config.json`` or index read (a real one is a few kB, an index a few MB)."""
 
 Kind = Literal["copy", "t", "split", "split_t"]
 
@@ -78,20 +84,81 @@ class Rule:
     kind: Kind = "copy"
 
 
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where a file of ``root`` may resolve to: ``root`` itself and, for a snapshot of the
+    Hugging Face hub cache (``models--org--name/snapshots/<rev>``, whose files are links to
+    ``../../blobs/<hash>``), that model's ``blobs`` folder."""
+    real = root.resolve()
+    allowed = [real]
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        allowed.append(real.parent.parent / "blobs")
+    return allowed
+
+
+def inside(root: Path, name: str, what: str) -> Path:
+    """``root / name``, checked to resolve (links followed) inside the checkpoint directory.
+
+    A checkpoint directory is data someone else wrote: an index naming ``../../x`` or
+    ``/etc/passwd``, or a link to a file elsewhere, must not make qkv read outside it.
+
+    Args:
+        root: the checkpoint directory.
+        name: a file name relative to ``root``, as the directory gives it.
+        what: what named it, for the message (e.g. ``"weight_map['lm_head.weight']"``).
+
+    Returns:
+        ``root / name``.
+
+    Raises:
+        ValueError: an absolute name, or one that resolves outside ``root`` (see
+            :func:`_allowed_roots` for the hub cache's blobs).
+    """
+    path = Path(name)
+    if path.is_absolute() or path.drive:
+        raise ValueError(
+            f"{what} names {name!r}, an absolute path: a checkpoint's files must lie inside "
+            f"its directory {str(root)!r}"
+        )
+    real = (root / path).resolve()
+    if not any(real.is_relative_to(a) for a in _allowed_roots(root)):
+        raise ValueError(
+            f"{what} names {name!r}, which resolves to {str(real)!r}, outside the checkpoint "
+            f"directory {str(root.resolve())!r}; refused (a checkpoint may not make qkv read "
+            "other files)"
+        )
+    return root / path
+
+
+def _read_json(path: Path, root: Path) -> Any:
+    """The parsed JSON of ``path`` (a file of ``root``), within :data:`MAX_JSON_BYTES`.
+
+    Raises:
+        ValueError: outside ``root``, too large, not UTF-8, not JSON, or nested too deep.
+    """
+    inside(root, path.name, path.name)
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is {size} bytes, more than the {MAX_JSON_BYTES} read")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: nested too deep") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, a too long int
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
 def read_config(root: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of ``root``.
 
     Raises:
         FileNotFoundError: no ``config.json``.
-        ValueError: not valid JSON, or not a JSON object.
+        ValueError: not valid JSON (nested too deep, too large), not a JSON object, or a link
+            outside ``root``.
     """
     path = root / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{str(root)!r} has no config.json (not a save_pretrained dir)")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    hf = _read_json(path, root)
     if not isinstance(hf, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
     return hf
@@ -110,10 +177,11 @@ def decoder_config(
     """A pre-norm, dropout-free :class:`DecoderOnlyConfig` from a HF config's ``fields``.
 
     Args:
-        hf: the parsed ``config.json`` (its ``vocab_size``, ``model_type``, ``eos_token_id``).
+        hf: the parsed ``config.json`` (its ``model_type``, ``eos_token_id``).
         source: where it came from, for the messages.
         problems: the unsupported options found, each named with its value.
-        fields: the remaining :class:`DecoderOnlyConfig` fields.
+        fields: the :class:`DecoderOnlyConfig` fields, ``vocab_size`` among them, each already
+            read with :mod:`qkv.convert.hf_values`.
 
     Raises:
         ValueError: ``problems`` is not empty, or the config rejects a value.
@@ -122,7 +190,7 @@ def decoder_config(
         raise ValueError(
             f"{source}: unsupported {hf.get('model_type')} options: " + "; ".join(problems)
         )
-    V, eos = hf["vocab_size"], hf.get("eos_token_id")
+    V, eos = fields.pop("vocab_size"), hf.get("eos_token_id")
     try:
         return DecoderOnlyConfig(
             V,
@@ -141,21 +209,15 @@ def weight_files(root: Path) -> list[Path]:
     Raises:
         FileNotFoundError: neither is there (the message says why a pickle found instead is not
             read), or the index names a shard that is missing.
-        ValueError: an index that is not ``{"weight_map": {key: file}}``.
+        ValueError: an index that is not ``{"weight_map": {key: file}}``, or a file that lies
+            outside ``root`` (an absolute or ``..`` shard name, a link elsewhere), named with
+            the key that names it.
     """
     if (root / WEIGHTS_FILE).is_file():
-        return [root / WEIGHTS_FILE]
+        return [inside(root, WEIGHTS_FILE, WEIGHTS_FILE)]
     index = root / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"{index} is not a safetensors index: {err!r}") from None
-        missing = [n for n in names if not (root / n).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
-        return [root / n for n in names]
+        return _shards(root, index)
     hint = ""
     if any(root.glob("*.bin")) or any(root.glob("*.pt")):
         hint = (
@@ -163,6 +225,29 @@ def weight_files(root: Path) -> list[Path]:
             "unpickling can run arbitrary code"
         )
     raise FileNotFoundError(f"{str(root)!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+
+
+def _shards(root: Path, index: Path) -> list[Path]:
+    """The shard files an index names, each checked to lie inside ``root``."""
+    parsed = _read_json(index, root)
+    weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{index} is not a safetensors index: it needs a JSON object with a "
+            '"weight_map" object {key: shard file}'
+        )
+    first_key: dict[str, str] = {}  # shard -> the first key naming it, for the messages
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"{index}: weight_map[{key!r}] must be a shard file name, got {name!r}"
+            )
+        first_key.setdefault(name, key)
+    paths = {n: inside(root, n, f"{index} weight_map[{k!r}]") for n, k in first_key.items()}
+    missing = [n for n in sorted(paths) if not paths[n].is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
+    return [paths[n] for n in sorted(paths)]
 
 
 def read_headers(files: Iterable[Path]) -> dict[str, Header]:
@@ -208,6 +293,15 @@ def expand_rules(rules: Iterable[Rule], num_layers: int) -> list[Rule]:
         for i in range(num_layers):
             out.append(Rule(r.hf.format(i), tuple(o.format(i) for o in r.ours), r.kind))
     return out
+
+
+def held_layers(keys: Iterable[str], rules: Iterable[Rule]) -> set[int]:
+    """The layer indices that ``keys`` hold, for the layer templates (``{}``) of ``rules``."""
+    prefixes = sorted({r.hf.split("{}")[0] for r in rules if "{}" in r.hf})
+    if not prefixes:
+        return set()
+    pattern = re.compile("^(?:" + "|".join(map(re.escape, prefixes)) + r")(\d+)\.")
+    return {int(m[1]) for k in keys if (m := pattern.match(k))}
 
 
 def _hf_shape(rule: Rule, ours: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:

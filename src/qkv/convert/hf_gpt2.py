@@ -11,15 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qkv.convert.hf_files import Rule, decoder_config, require_keys
+from qkv.convert.hf_files import Rule, decoder_config
 from qkv.convert.hf_tokens import token_id
+from qkv.convert.hf_values import hf_bool, hf_float, hf_int, hf_str
 from qkv.models.config import DecoderOnlyConfig
 from qkv.nn.feed_forward import Activation
 
-__all__ = ["IGNORED", "MODEL_TYPES", "PREFIX", "config_from_hf", "rules"]
+__all__ = ["IGNORED", "LAYERS_KEY", "MODEL_TYPES", "PREFIX", "config_from_hf", "rules"]
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
 PREFIX = "transformer."
+LAYERS_KEY = "n_layer"
+"""The config key of the layer count (checked against the layers the weights hold)."""
 IGNORED: dict[str, str] = {
     "attn.bias": "the causal-mask buffer of older GPT-2 checkpoints, rebuilt by qkv",
     "attn.masked_bias": "the mask fill value buffer of older GPT-2 checkpoints",
@@ -60,35 +63,41 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
 
     Raises:
         ValueError: an option qkv does not build (scores not scaled by ``1/sqrt(Dh)``, scaling by
-            the layer index, cross-attention, another activation), a missing size, or a value the
-            config rejects; each named.
+            the layer index, cross-attention, another activation), a missing size, a value of
+            the wrong type or beyond its bounds, or a value the config rejects; each named
+            with its key.
     """
-    require_keys(hf, ("vocab_size", "n_embd", "n_layer", "n_head"), source)
-    act = hf.get("activation_function", "gelu_new")
+    V = hf_int(hf, "vocab_size", source)
+    D = hf_int(hf, "n_embd", source)
+    H = hf_int(hf, "n_head", source)
+    layers = hf_int(hf, LAYERS_KEY, source)
+    assert D is not None  # required
+    inner = hf_int(hf, "n_inner", source, default=None, nullable=True)
+    act = hf_str(hf, "activation_function", source, default="gelu_new")
     problems = []
     if act not in _ACTIVATIONS:
         problems.append(f"activation_function={act!r} (known: {sorted(_ACTIVATIONS)})")
-    if not hf.get("scale_attn_weights", True):
+    if not hf_bool(hf, "scale_attn_weights", source, default=True):
         problems.append("scale_attn_weights=false")
-    if hf.get("scale_attn_by_inverse_layer_idx", False):
+    if hf_bool(hf, "scale_attn_by_inverse_layer_idx", source, default=False):
         problems.append("scale_attn_by_inverse_layer_idx=true")
-    if hf.get("add_cross_attention", False):
+    if hf_bool(hf, "add_cross_attention", source, default=False):
         problems.append("add_cross_attention=true")
-    D = hf["n_embd"]
     return decoder_config(
         hf,
         source,
         problems,
-        num_layers=hf["n_layer"],
+        vocab_size=V,
+        num_layers=layers,
         d_model=D,
-        num_heads=hf["n_head"],
-        dim_feedforward=hf.get("n_inner") or 4 * D,
+        num_heads=H,
+        dim_feedforward=4 * D if inner is None else inner,
         activation=_ACTIVATIONS.get(act, "gelu"),
         norm="layer",
-        layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        layer_norm_eps=hf_float(hf, "layer_norm_epsilon", source, default=1e-5),
         positional="learned",
-        max_positions=hf.get("n_positions", 1024),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        max_positions=hf_int(hf, "n_positions", source, default=1024),
+        tie_embeddings=hf_bool(hf, "tie_word_embeddings", source, default=True),
         pad_id=token_id(hf, "pad_token_id", source),
     )
 

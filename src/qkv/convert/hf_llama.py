@@ -12,15 +12,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qkv.convert.hf_files import Rule, decoder_config, require_keys
+from qkv.convert.hf_files import Rule, decoder_config
 from qkv.convert.hf_tokens import token_id
+from qkv.convert.hf_values import hf_bool, hf_dict, hf_float, hf_int, hf_str
 from qkv.models.config import DecoderOnlyConfig
 
-__all__ = ["IGNORED", "MODEL_TYPES", "PREFIX", "config_from_hf", "config_to_hf", "rules"]
+__all__ = [
+    "IGNORED",
+    "LAYERS_KEY",
+    "MAX_POSITIONS",
+    "MODEL_TYPES",
+    "PREFIX",
+    "config_from_hf",
+    "config_to_hf",
+    "rules",
+]
 
 MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 PREFIX = "model."
 """The prefix ``*ForCausalLM`` puts on the body's keys (``lm_head`` has none)."""
+LAYERS_KEY = "num_hidden_layers"
+"""The config key of the layer count (checked against the layers the weights hold)."""
 
 IGNORED: dict[str, str] = {
     "rotary_emb.inv_freq": "RoPE frequencies, recomputed from rope_theta",
@@ -38,18 +50,26 @@ _BODY = [
 _PROJ = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "out_proj"}
 
 
+MAX_POSITIONS = 2**21
+"""The most positions a rotary model may give: qkv builds the cos/sin tables of every position
+when it loads (2 x 2**21 x head_dim floats, 2 GiB at head_dim 128)."""
+
+
 def _rope_theta(hf: Mapping[str, Any], source: str) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in (
-        None,
-        "default",
-    ):
-        rope_type = scaling.get("rope_type", scaling.get("type"))
+    params = hf_dict(hf, "rope_parameters", source)
+    scaling = hf_dict(hf, "rope_scaling", source)
+    rope_type: object = "default"
+    for key, given in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = given.get("rope_type", given.get("type"))
+        if kind is not None and not isinstance(kind, str):
+            raise ValueError(f"{source}: {key}.rope_type must be a string, got {kind!r}")
+        if kind not in (None, "default"):
+            rope_type = kind
     if rope_type != "default":
         raise ValueError(f"{source}: RoPE scaling rope_type={rope_type!r} is not supported")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "rope_theta" in params:
+        return hf_float(params, "rope_theta", f"{source}: rope_parameters", default=10000.0)
+    return hf_float(hf, "rope_theta", source, default=10000.0)
 
 
 def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> DecoderOnlyConfig:
@@ -59,51 +79,55 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Dec
         ValueError: an option qkv does not build (RoPE scaling, a sliding window shorter than the
             positions, an activation other than SiLU, a head width other than
             ``hidden_size / num_attention_heads``, Llama's ``pretraining_tp`` > 1), a missing
-            size, or a value the config rejects; each named.
+            size, a value of the wrong type or beyond its bounds, or a value the config
+            rejects; each named with its key.
     """
     kind = hf.get("model_type")
-    required = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    )
-    require_keys(hf, required, source)
-    D, H = hf["hidden_size"], hf["num_attention_heads"]
+    V = hf_int(hf, "vocab_size", source)
+    D = hf_int(hf, "hidden_size", source)
+    H = hf_int(hf, "num_attention_heads", source)
+    layers = hf_int(hf, LAYERS_KEY, source)
+    ffn = hf_int(hf, "intermediate_size", source)
+    kv = hf_int(hf, "num_key_value_heads", source, default=H, nullable=True)
+    positions = hf_int(hf, "max_position_embeddings", source, default=2048, high=MAX_POSITIONS)
+    assert D is not None and H is not None and positions is not None  # required / defaulted
     problems = []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu', SwiGLU, is built)")
-    head_dim = hf.get("head_dim")
+    act = hf_str(hf, "hidden_act", source, default="silu")
+    if act != "silu":
+        problems.append(f"hidden_act={act!r} (only 'silu', SwiGLU, is built)")
+    head_dim = hf_int(hf, "head_dim", source, default=None, nullable=True)
     if head_dim is not None and head_dim * H != D:
-        problems.append(f"head_dim={head_dim} != hidden_size / num_attention_heads = {D // H}")
-    if hf.get("pretraining_tp", 1) != 1:
-        problems.append(f"pretraining_tp={hf['pretraining_tp']}")
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", kind == "mistral")
-    if uses_window and window is not None and window < hf.get("max_position_embeddings", 2048):
+        problems.append(f"head_dim={head_dim} != hidden_size / num_attention_heads = {D / H:g}")
+    tp = hf_int(hf, "pretraining_tp", source, default=1, nullable=True)
+    if tp != 1:
+        problems.append(f"pretraining_tp={tp}")
+    window = hf_int(hf, "sliding_window", source, default=None, nullable=True)
+    uses_window = hf_bool(hf, "use_sliding_window", source, default=kind == "mistral")
+    if uses_window and window is not None and window < positions:
         problems.append(f"sliding_window={window} (qkv's decoder attends to every earlier token)")
-    qkv_bias = kind == "qwen2" or bool(hf.get("attention_bias", False))
+    attention_bias = hf_bool(hf, "attention_bias", source, default=False)
+    qkv_bias = kind == "qwen2" or attention_bias
     return decoder_config(
         hf,
         source,
         problems,
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=V,
+        num_layers=layers,
         d_model=D,
         num_heads=H,
-        num_kv_heads=hf.get("num_key_value_heads") or H,
-        dim_feedforward=hf["intermediate_size"],
+        num_kv_heads=kv,
+        dim_feedforward=ffn,
         activation="swiglu",
         norm="rms",
-        layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        layer_norm_eps=hf_float(hf, "rms_norm_eps", source, default=1e-6),
         positional="rotary",
         rope_theta=_rope_theta(hf, source),
         rope_layout="half_split",  # HF's rotate_half; Meta's interleaved weights come permuted
-        max_positions=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_positions=positions,
+        tie_embeddings=hf_bool(hf, "tie_word_embeddings", source, default=False),
         qkv_bias=qkv_bias,
-        out_bias=kind != "qwen2" and bool(hf.get("attention_bias", False)),
-        ffn_bias=bool(hf.get("mlp_bias", False)),
+        out_bias=kind != "qwen2" and attention_bias,
+        ffn_bias=hf_bool(hf, "mlp_bias", source, default=False),
         pad_id=token_id(hf, "pad_token_id", source),
     )
 

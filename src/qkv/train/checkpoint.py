@@ -297,32 +297,73 @@ def save_checkpoint(
     """
     with directory_lock(directory) as directory:
         previous = _previous_files(directory)
-        # clone: tied parameters share storage, which safetensors refuses to write twice
-        weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "model_type": model_type,
-            "model_config": _to_json(model_config),
-            "task": _to_json(task),
-            "train_config": None if train_config is None else _to_json(train_config),
-            "files": {"weights": _tensor_file(directory, "model", step, weights)},
-        }
-        state: dict[str, Tensor] = {}
-        if optimizer is not None:
-            state, manifest["optimizer"] = _split_optimizer(optimizer)
-        if rng_state is not None:
-            state["rng.torch"] = rng_state.clone()
-        if state:
-            manifest["files"]["train_state"] = _tensor_file(directory, "train_state", step, state)
-        for key, name in manifest["files"].items():
-            manifest.setdefault("sha256", {})[key] = _sha256((directory / name).read_bytes())
-        path = directory / MANIFEST
-        _atomic_write(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
-        for name in previous - set(manifest["files"].values()):  # superseded, written by qkv
+        written: list[str] = []  # this save's new tensor files, removed again if it fails
+        try:
+            path = _save(
+                directory,
+                written,
+                model=model,
+                model_type=model_type,
+                model_config=model_config,
+                task=task,
+                step=step,
+                train_config=train_config,
+                optimizer=optimizer,
+                rng_state=rng_state,
+            )
+        except BaseException:
+            # A failed save (a full disk, a signal) leaves the directory as it was: no tensor
+            # file that no manifest names. Only files this save wrote, never a previous one
+            # (the same weights at the same step have the same name).
+            for name in set(written) - previous:
+                (directory / name).unlink(missing_ok=True)
+            raise
+        for name in previous - set(written):  # superseded, written by qkv
             (directory / name).unlink(missing_ok=True)
         return path
+
+
+def _save(
+    directory: Path,
+    written: list[str],
+    *,
+    model: nn.Module,
+    model_type: str,
+    model_config: dict[str, Any],
+    task: dict[str, Any],
+    step: int,
+    train_config: dict[str, Any] | None,
+    optimizer: torch.optim.Optimizer | None,
+    rng_state: Tensor | None,
+) -> Path:
+    """The tensor files (each name appended to ``written`` once on disk), then the manifest."""
+    # clone: tied parameters share storage, which safetensors refuses to write twice
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    files = {"weights": _tensor_file(directory, "model", step, weights)}
+    written.append(files["weights"])
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "model_type": model_type,
+        "model_config": _to_json(model_config),
+        "task": _to_json(task),
+        "train_config": None if train_config is None else _to_json(train_config),
+        "files": files,
+    }
+    state: dict[str, Tensor] = {}
+    if optimizer is not None:
+        state, manifest["optimizer"] = _split_optimizer(optimizer)
+    if rng_state is not None:
+        state["rng.torch"] = rng_state.clone()
+    if state:
+        files["train_state"] = _tensor_file(directory, "train_state", step, state)
+        written.append(files["train_state"])
+    for key, name in files.items():
+        manifest.setdefault("sha256", {})[key] = _sha256((directory / name).read_bytes())
+    path = directory / MANIFEST
+    _atomic_write(path, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    return path
 
 
 def _previous_files(directory: Path) -> set[str]:

@@ -15,6 +15,7 @@ model is built, so a bad ``out`` or a concurrent writer is refused before any tr
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -66,7 +67,8 @@ class RunOptions:
             ``TrainConfig.steps``; resume later with ``resume=True``.
         target_accuracy: stop at the first evaluation reaching this held-out accuracy, in
             ``(0, 1]``.
-        progress: show the tqdm bar (rank 0 only).
+        progress: show the tqdm bar (rank 0 only) when stderr is a terminal; elsewhere (a
+            log file) a line per evaluation instead, with the training loss and speed.
         log_evals: print a line per evaluation (rank 0 only).
 
     Raises:
@@ -123,6 +125,21 @@ class TrainResult:
     stopped_by: int | None = None
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT / SIGTERM during training: stop at once, without saving.
+
+    A ``KeyboardInterrupt`` (what Ctrl-C raises elsewhere) that knows its signal, so that the
+    command exits ``128 + signum``: 143 after two SIGTERMs, 130 after two Ctrl-C.
+
+    Attributes:
+        signum: the signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"second signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class _StopOnSignal:
     """SIGINT / SIGTERM handlers that ask the loop to stop after the current step.
 
@@ -137,7 +154,7 @@ class _StopOnSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}")
+            raise Interrupted(signum)
         self.received = signum
 
     @contextmanager
@@ -334,10 +351,14 @@ def _train(
             )
         barrier(ctx)
 
+    # A bar redrawn with carriage returns is for a terminal; into a log (stderr not a
+    # terminal) it wrote hundreds of kB, so there the progress is a line per evaluation.
+    show_bar = opts.progress and ctx.is_main and sys.stderr.isatty()
+    line_per_eval = ctx.is_main and (opts.log_evals or (opts.progress and not show_bar))
     bar = tqdm(
         total=cfg.steps,
         initial=start,
-        disable=not (opts.progress and ctx.is_main),
+        disable=not show_bar,
         desc=f"train {task.name}",
         dynamic_ncols=True,
     )
@@ -362,10 +383,15 @@ def _train(
             result.evals.append(
                 {"step": result.step, "accuracy": acc, "loss": eval_loss, "seconds": seconds}
             )
-            if opts.log_evals and ctx.is_main:
+            if line_per_eval:
+                what = (
+                    ""
+                    if show_bar
+                    else (f" (train loss {mean_loss:.4f}, {tokens / train_time:,.0f} tokens/s)")
+                )
                 bar.write(
                     f"step {result.step}: held-out {task.metric} {acc:.2%}, "
-                    f"loss {eval_loss:.4f}, {seconds:.1f} s"
+                    f"loss {eval_loss:.4f}, {seconds:.1f} s{what}"
                 )
             if opts.target_accuracy is not None and acc >= opts.target_accuracy:
                 break
