@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.doctor.weights import weights_rows
 from qkv.masks import causal_mask
 
 __all__ = [
@@ -89,6 +90,35 @@ class AttentionCall:
         align: CausalAlign | None = "top_left" if self.causal == "top_left" else None
         causal = causal_mask(T, S, align=align, device=self.query.device)  # [1, 1, T, S]
         return causal if self.blocked is None else self.blocked | causal
+
+    def weights(
+        self,
+        b: int,
+        r0: int,
+        r1: int,
+        *,
+        heads: slice = slice(None),
+        blocked: Tensor | None = None,
+    ) -> Tensor:
+        """The exact weights of sample ``b``, query rows ``r0:r1``, as this call computes them
+        (its mask, additive mask, bias and causal flag; ``blocked`` replaces the bool mask).
+
+        Returns:
+            ``[h, r1 - r0, S]`` (see :func:`qkv.doctor.weights.weights_rows`).
+        """
+        return weights_rows(
+            self.query,
+            self.key,
+            self.scale,
+            b,
+            r0,
+            r1,
+            blocked=self.blocked if blocked is None else blocked,
+            additive=self.additive,
+            bias=self.bias,
+            heads=heads,
+            causal=self.causal,
+        )  # [h, rows, S]
 
     @property
     def reading_text(self) -> str:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from qkv.doctor.calls import AttentionCall
 from qkv.doctor.findings import Severity
-from qkv.doctor.weights import row_blocks, score_bound, weights_rows
+from qkv.doctor.weights import row_blocks, score_bound
 from qkv.masks import causal_mask
 
 __all__ = ["LEAK_WEIGHT", "Padding", "Verdict", "judge"]
@@ -198,17 +198,7 @@ def _leak_weight(
     idx = torch.nonzero(rows).flatten()
     r_lo, r_hi = int(idx.min()), int(idx.max()) + 1
     for r0, r1 in row_blocks(r_hi - r_lo):
-        w = weights_rows(
-            call.query,
-            call.key,
-            call.scale,
-            b,
-            r_lo + r0,
-            r_lo + r1,
-            blocked=blocked,
-            additive=call.additive,
-            bias=call.bias,
-        )  # [H, rows, S]
+        w = call.weights(b, r_lo + r0, r_lo + r1, blocked=blocked)  # [H, rows, S]
         w = (w * keys).amax(-1).amax(0) * rows[r_lo + r0 : r_lo + r1]  # [rows]
         m, i = w.max(0)
         if float(m) > worst:
@@ -448,17 +438,7 @@ def _check_weak(call: AttentionCall, block_value: float, out: list[Verdict]) -> 
     worst, where = 0.0, (0, 0)
     for b in range(B):
         for r0, r1 in row_blocks(T):
-            w = weights_rows(
-                call.query,
-                call.key,
-                call.scale,
-                b,
-                r0,
-                r1,
-                additive=a,
-                bias=call.bias,
-                blocked=call.blocked,
-            )  # [H, rows, S]
+            w = call.weights(b, r0, r1)  # [H, rows, S]
             s = soft[b if soft.shape[0] > 1 else 0]
             s = s[:, r0:r1] if s.shape[1] > 1 else s  # [H|1, rows|1, S]
             m = (w * s).amax()

@@ -28,7 +28,7 @@ from qkv.doctor.calls import AttentionCall
 from qkv.doctor.findings import Finding
 from qkv.doctor.judge import Padding, judge
 from qkv.doctor.report import Captured, Report
-from qkv.doctor.weights import row_blocks, weights_rows
+from qkv.doctor.weights import row_blocks
 
 __all__ = ["Watch", "watch"]
 
@@ -171,19 +171,7 @@ class Watch:
         for i, b in enumerate(samples):
             for j, h in enumerate(heads):  # one head at a time: a block is ROW_BLOCK x S
                 for r0, r1 in row_blocks(T):
-                    w = weights_rows(
-                        call.query,
-                        call.key,
-                        call.scale,
-                        b,
-                        r0,
-                        r1,
-                        blocked=call.blocked,
-                        additive=call.additive,
-                        bias=call.bias,
-                        heads=slice(h, h + 1),
-                        causal=call.causal,
-                    )  # [1, rows, S]
+                    w = call.weights(b, r0, r1, heads=slice(h, h + 1))  # [1, rows, S]
                     out[i, j, r0:r1] = w[0].float().cpu()
             if call.output is not None and call.output.is_floating_point():
                 bad = ~torch.isfinite(call.output[b]).all(-1).all(0)  # [T]
