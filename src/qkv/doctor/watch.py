@@ -23,9 +23,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from qkv.doctor import interception
 from qkv.doctor.calls import AttentionCall
 from qkv.doctor.findings import Finding
+from qkv.doctor.interception import WatchMode, install, pop_watch, push_watch, uninstall
 from qkv.doctor.judge import Padding, judge
 from qkv.doctor.report import Captured, Report
 from qkv.doctor.weights import row_blocks
@@ -67,7 +67,7 @@ class Watch:
         self._keys: dict[tuple[str, str], int] = {}
         self._capture_count: dict[str, int] = {}
         self._padding: list[Tensor | None] = []
-        self.mode = interception.WatchMode(self)
+        self.mode = WatchMode(self)
 
     # ---------------------------------------------------------------- padding from the model
 
@@ -236,8 +236,8 @@ def watch(
             raise ValueError(f"{name} must be non-negative indices, got {list(values)}")
     w = Watch(model, capture, heads, samples)
     handles: list[Any] = []
-    interception.install()
-    interception.push_watch(w)
+    install()
+    push_watch(w)
     try:
         for m in w.padding_sources():
             handles.extend(w.hook_padding(m))
@@ -246,6 +246,6 @@ def watch(
     finally:
         for h in handles:
             h.remove()
-        interception.pop_watch(w)
-        interception.uninstall()
+        pop_watch(w)
+        uninstall()
         w.finish()
