@@ -325,8 +325,8 @@ def _check_inverted(
             # the last real query sees every real key under any correct mask (causal too):
             # an inverted mask blocks exactly them there, and lets the padding through
             last = _last_real_query(pad)  # [B]
-            g = given.expand(B, given.shape[1], T, S).any(1)  # [B, T, S] blocked in some head
-            row = g[torch.arange(B, device=g.device), last]  # [B, S]
+            g = given.expand(B, given.shape[1], T, S)  # [B, H|1, T, S], a view
+            row = g[torch.arange(B, device=g.device), :, last].any(1)  # [B, S] in some head
             sample_inv = (row == live_k).all(-1) & has_pad  # [B]
             if bool(sample_inv.any()):
                 b = int(torch.nonzero(sample_inv)[0])
