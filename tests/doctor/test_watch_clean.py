@@ -16,6 +16,7 @@ import transformers
 
 import qkv
 from qkv import doctor
+from qkv.integrations.transformers import register
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
@@ -114,4 +115,16 @@ def test_a_sliding_window_is_not_mistaken_for_a_broadcast_mask() -> None:
     with doctor.watch(model) as report:
         watched = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert torch.equal(unwatched, watched) and report.calls == 6
+    _assert_clean(report)
+
+
+@pytest.mark.parametrize("name", hm.NAMES)
+def test_hf_models_under_qkvs_own_implementation_are_clean(name: str) -> None:
+    """attn_implementation="qkv": the call is judged as qkv.attention computed it."""
+    register()
+    model = hm.build(name, "qkv")
+    unwatched = hm.run(model, name, "left")
+    with doctor.watch(model) as report:
+        watched = hm.run(model, name, "left")
+    assert torch.equal(unwatched, watched) and report.calls > 0
     _assert_clean(report)
