@@ -69,6 +69,29 @@ def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
     return n
 
 
+def _forced(scores: Tensor, step: int, n: int, bos: int | None, eos: int | None) -> Tensor:
+    """``transformers``' forced BOS (the first generated token) and forced EOS (the last of
+    ``n``; it wins when both apply): every other token's score becomes ``-inf``, the forced one's
+    0, as ``ForcedBOSTokenLogitsProcessor`` / ``ForcedEOSTokenLogitsProcessor`` set them.
+
+    Args:
+        scores: ``[B, V]`` logits (greedy) or log-probabilities (beam search).
+        step: the 0-based index of the token being chosen.
+        n: ``max_new_tokens``.
+        bos: the forced first token, or None.
+        eos: the forced last token, or None.
+
+    Returns:
+        ``[B, V]``, ``scores`` itself when nothing is forced at this step.
+    """
+    tok = eos if step == n - 1 and eos is not None else bos if step == 0 else None
+    if tok is None:
+        return scores
+    out = torch.full_like(scores, float("-inf"))  # [B, V]
+    out[:, tok] = 0.0
+    return out
+
+
 def greedy_encoder_decoder(
     model: Transformer, src: Tensor, max_new_tokens: int, src_padding_mask: Tensor | None
 ) -> Tensor:
@@ -82,8 +105,9 @@ def greedy_encoder_decoder(
     out = torch.full((B, 1), c.bos_id, dtype=torch.long, device=src.device)  # [B, 1]
     finished = torch.zeros(B, dtype=torch.bool, device=src.device)  # [B]
     step_in = out
-    for _ in range(n):
+    for step in range(n):
         logits = model.decode(step_in, memory, is_pad, kv_cache=cache)[:, -1]  # [B, V]
+        logits = _forced(logits, step, n, c.forced_bos_id, c.forced_eos_id)  # [B, V]
         nxt = logits.argmax(dim=-1)  # [B]
         nxt = torch.where(finished, torch.full_like(nxt, c.pad_id), nxt)  # [B]
         out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]
@@ -133,6 +157,7 @@ def beam_search(
     for step in range(1, n + 1):
         logits = model.decode(step_in, memory, is_pad, kv_cache=cache)[:, -1]  # [B*K, V]
         logp = torch.log_softmax(logits.float(), dim=-1)  # [B*K, V]
+        logp = _forced(logp, step - 1, n, c.forced_bos_id, c.forced_eos_id)  # [B*K, V]
         V = logp.shape[-1]
         cand = (scores.reshape(B * K, 1) + logp).reshape(B, K * V)  # [B, K*V]
         top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)  # [B, 2K]
