@@ -26,6 +26,7 @@ from qkv.nn.layers import EncoderLayer
 from qkv.nn.norms import make_norm
 from qkv.nn.positions import make_positional, position_inputs
 from qkv.nn.stacks import Encoder
+from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = ["LEGACY_PREFIXES", "DecoderOnlyLM", "upgrade_state_dict"]
 
@@ -116,6 +117,65 @@ class DecoderOnlyLM(nn.Module):
         c = self.config
         return KVCache(c.num_layers, c.max_positions if capacity is None else capacity)
 
+    def new_static_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        """An empty :class:`~qkv.nn.static_kv_cache.StaticKVCache` on this model's device and
+        dtype, for :meth:`forward_static`.
+
+        Args:
+            batch_size: B.
+            capacity: C, the slots (prompt + generated tokens).
+
+        Returns:
+            The cache.
+        """
+        c = self.config
+        w = self.lm_head.weight
+        return StaticKVCache(
+            c.num_layers,
+            capacity,
+            batch_size=batch_size,
+            num_kv_heads=c.num_heads if c.num_kv_heads is None else c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=w.dtype,
+            device=w.device,
+        )
+
+    def forward_static(
+        self, ids: Tensor, kv_cache: StaticKVCache, cache_position: Tensor
+    ) -> Tensor:
+        """Next-token logits with a fixed-shape cache: the step :func:`torch.compile` compiles
+        once (no Python int depends on the step, no value is read on the host).
+
+        Each token attends over all ``C`` slots of ``kv_cache``, those after its own and the
+        prompt's padding (recorded by :meth:`StaticKVCache.start`) blocked; its position is its
+        slot minus its row's left padding, as in :meth:`forward`.
+
+        Args:
+            ids: ``[B, T]`` new token ids (not checked: check them before, outside the graph).
+            kv_cache: from :meth:`new_static_cache`, started with the prompt's padding.
+            cache_position: long ``[T]``, the slots of ``ids`` (``arange(T0)`` for the prompt,
+                then ``[T0 + step]``).
+
+        Returns:
+            logits ``[B, T, V]``.
+
+        Raises:
+            ValueError: ALiBi or relative positions (their biases are built for the cached keys
+                only; use :meth:`forward` with a :class:`KVCache`).
+        """
+        c = self.config
+        if c.positional in ("alibi", "relative"):
+            raise ValueError(
+                f"forward_static supports absolute and rotary positions, got "
+                f"positional={c.positional!r}; use forward with a KVCache"
+            )
+        mask, positions = kv_cache.prepare(cache_position)  # [B, 1, T, C], [B, T]
+        x = self.embed(ids)  # [B, T, D]
+        x, pos = position_inputs(self.positional, x, 0, causal=True, positions=positions)
+        x = self.embed_dropout(x)  # [B, T, D]
+        x = self.blocks(x, mask, is_causal=False, rope=pos.rope, kv_cache=kv_cache)  # [B, T, D]
+        return self.lm_head(x)  # [B, T, V]
+
     def forward(
         self,
         ids: Tensor,
@@ -146,6 +206,8 @@ class DecoderOnlyLM(nn.Module):
         """
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
+        if isinstance(cache, StaticKVCache):
+            raise TypeError("a StaticKVCache is used with forward_static(ids, kv_cache, positions)")
         check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
         mask, offset, positions = self_attention_padding(
             ids, padding_mask, c.pad_id, "padding_mask", cache, validate
@@ -175,6 +237,8 @@ class DecoderOnlyLM(nn.Module):
         min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
         streamer: Callable[[Tensor], object] | None = None,
+        static_cache: bool = False,
+        compile: bool = False,
     ) -> Tensor:
         """Continue the prompts with the KV cache: greedy, or sampling; the options and their
         order are those of ``transformers``' ``generate`` (see :mod:`qkv.models.decoding`).
@@ -201,6 +265,13 @@ class DecoderOnlyLM(nn.Module):
             min_new_tokens: the stop ids are banned until this many tokens are generated.
             generator: random generator for reproducible sampling.
             streamer: called with each step's tokens, long ``[B]``, as soon as they are chosen.
+            static_cache: decode with a fixed-shape
+                :class:`~qkv.nn.static_kv_cache.StaticKVCache` (:meth:`forward_static`);
+                the same tokens as the default growing :class:`KVCache`.
+            compile: also compile the decoding step with ``torch.compile(fullgraph=True)``
+                (implies ``static_cache``): it compiles once per batch size and cache capacity
+                (:mod:`qkv.models.static_decode`), then every step reuses the graph. The eager
+                path stays the default.
 
         Returns:
             long ``[B, T0 + n]`` (shorter when every row has stopped).
@@ -219,6 +290,8 @@ class DecoderOnlyLM(nn.Module):
             streamer=streamer,
             padding_mask=padding_mask,
             generator=generator,
+            static_cache=static_cache,
+            compile=compile,
             greedy=greedy,
             temperature=temperature,
             top_k=top_k,
@@ -244,13 +317,15 @@ class DecoderOnlyLM(nn.Module):
         eos_id: int | Sequence[int] | None = None,
         min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
+        static_cache: bool = False,
+        compile: bool = False,
     ) -> Iterator[Tensor]:
         """:meth:`generate`, one step at a time: yields each step's tokens as they come.
 
         The arguments are checked when ``stream`` is called, not at the first step.
 
         Args:
-            ids ... generator: as :meth:`generate`.
+            ids ... generator, static_cache, compile: as :meth:`generate`.
 
         Returns:
             An iterator of long ``[B]`` tensors, one per generated position; it ends after n
@@ -265,6 +340,8 @@ class DecoderOnlyLM(nn.Module):
             max_new_tokens,
             padding_mask=padding_mask,
             generator=generator,
+            static_cache=static_cache,
+            compile=compile,
             greedy=greedy,
             temperature=temperature,
             top_k=top_k,

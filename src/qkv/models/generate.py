@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv.checks import check_bool, check_positive_int
 from qkv.models.decoding import DecodingOptions, seen_tokens
 from qkv.models.inputs import check_ids, key_padding
+from qkv.models.static_decode import StaticDecoder, static_capacity
 
 if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
@@ -269,6 +270,8 @@ def stream_decoder_only(
     *,
     padding_mask: Tensor | None,
     generator: torch.Generator | None,
+    static_cache: bool = False,
+    compile: bool = False,
     **options: object,
 ) -> Iterator[Tensor]:
     """Check everything, then return the loop that yields each step's tokens; see
@@ -276,7 +279,8 @@ def stream_decoder_only(
 
     Args:
         model: the language model.
-        ids, max_new_tokens, padding_mask, generator: as :meth:`DecoderOnlyLM.stream`.
+        ids, max_new_tokens, padding_mask, generator, static_cache, compile: as
+            :meth:`DecoderOnlyLM.stream`.
         options: the keywords of :meth:`DecodingOptions.check` (``eos_id`` already defaulted).
 
     Returns:
@@ -290,7 +294,18 @@ def stream_decoder_only(
     n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
     opts = DecodingOptions.check(vocab_size=c.vocab_size, max_new_tokens=n, **options)
     is_pad = prompt_padding(ids, padding_mask, c.pad_id)  # [B, T0] or None
-    return _decoder_only_steps(model, ids, n, is_pad, opts, generator)
+    static = check_bool("static_cache", static_cache) | check_bool("compile", compile)
+    if static and c.positional in ("alibi", "relative"):
+        raise ValueError(
+            f"static_cache / compile support absolute and rotary positions, got "
+            f"positional={c.positional!r}"
+        )
+    decoder = (
+        StaticDecoder(model, ids.shape[0], static_capacity(ids.shape[1], n), compile=compile)
+        if static
+        else None
+    )
+    return _decoder_only_steps(model, ids, n, is_pad, opts, generator, decoder)
 
 
 def _decoder_only_steps(
@@ -300,17 +315,22 @@ def _decoder_only_steps(
     is_pad: Tensor | None,
     opts: DecodingOptions,
     generator: torch.Generator | None,
+    decoder: StaticDecoder | None,
 ) -> Iterator[Tensor]:
     c = model.config
     B = ids.shape[0]
     stop = torch.tensor(opts.stop_ids, dtype=torch.long, device=ids.device)  # [n_stop]
     fill = c.pad_id if c.pad_id is not None else (opts.stop_ids or (0,))[0]
     no_pad = torch.zeros(B, 1, dtype=torch.bool, device=ids.device)  # [B, 1]
-    cache = model.new_cache(ids.shape[1] + n)
+    T0 = ids.shape[1]
+    cache = model.new_cache(T0 + n) if decoder is None else None
     prompt_pad = torch.zeros_like(ids, dtype=torch.bool) if is_pad is None else is_pad
     seen = seen_tokens(ids, is_pad, c.vocab_size) if opts.tracks_seen else None  # [B, V]
     with torch.no_grad():
-        logits = model(ids, prompt_pad, kv_cache=cache)[:, -1]  # [B, V]
+        if decoder is None:
+            logits = model(ids, prompt_pad, kv_cache=cache)[:, -1]  # [B, V]
+        else:
+            logits = decoder.prefill(ids, is_pad)  # [B, V]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]
     for step in range(n):
         nxt = opts.choose(logits, seen, step, generator)  # [B]
@@ -323,7 +343,10 @@ def _decoder_only_steps(
         if step == n - 1 or (opts.stop_ids and bool(finished.all())):
             return
         with torch.no_grad():
-            logits = model(nxt[:, None], no_pad, kv_cache=cache)[:, -1]  # [B, V]
+            if decoder is None:
+                logits = model(nxt[:, None], no_pad, kv_cache=cache)[:, -1]  # [B, V]
+            else:
+                logits = decoder.step(nxt, T0 + step)  # [B, V]
 
 
 def generate_decoder_only(

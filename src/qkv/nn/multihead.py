@@ -19,6 +19,7 @@ from qkv.nn.positional import apply_rotary
 
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
+    from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = ["WEIGHTLESS_BACKENDS", "MultiHeadAttention"]
 
@@ -315,7 +316,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor,
         value: Tensor,
         rope: tuple[Tensor, Tensor] | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVCache | StaticKVCache | None,
         layer_idx: int,
         cross: bool,
     ) -> tuple[Tensor, Tensor]:
@@ -382,7 +383,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | StructuredMask | None = None,
         attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | StaticKVCache | None = None,
         layer_idx: int = 0,
         cross: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
