@@ -18,8 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from qkv.dropout import Dropout
+from qkv.models.beam import check_beam_options
 from qkv.models.config import DecoderOnlyConfig
-from qkv.models.generate import generate_decoder_only, stream_decoder_only
+from qkv.models.generate import beam_decoder_only, generate_decoder_only, stream_decoder_only
 from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import EncoderLayer
@@ -239,9 +240,12 @@ class DecoderOnlyLM(nn.Module):
         streamer: Callable[[Tensor], object] | None = None,
         static_cache: bool = False,
         compile: bool = False,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
     ) -> Tensor:
-        """Continue the prompts with the KV cache: greedy, or sampling; the options and their
-        order are those of ``transformers``' ``generate`` (see :mod:`qkv.models.decoding`).
+        """Continue the prompts with the KV cache: greedy, sampling or beam search; the options
+        and their order are those of ``transformers``' ``generate`` (see
+        :mod:`qkv.models.decoding`).
 
         Args:
             ids: prompts ``[B, T0]``; prompts of different lengths are left-padded.
@@ -272,9 +276,15 @@ class DecoderOnlyLM(nn.Module):
                 (implies ``static_cache``): it compiles once per batch size and cache capacity
                 (:mod:`qkv.models.static_decode`), then every step reuses the graph. The eager
                 path stays the default.
+            beam_size: K > 1: beam search (deterministic, as ``transformers``' ``num_beams``
+                with ``do_sample=False``; :mod:`qkv.models.beam`); it takes ``padding_mask``,
+                ``eos_id`` and ``length_penalty`` only, and refuses the other options.
+            length_penalty: beam search ranks finished hypotheses by
+                ``sum log p / length ** length_penalty`` (``length``: generated tokens).
 
         Returns:
-            long ``[B, T0 + n]`` (shorter when every row has stopped).
+            long ``[B, T0 + n]`` (shorter when every row has stopped; beam search: each row's
+            best hypothesis, right-padded).
 
         Raises:
             TypeError / ValueError: each bad value, before any step runs: n < 1,
@@ -283,6 +293,35 @@ class DecoderOnlyLM(nn.Module):
                 right-padded prompt, a row of padding only, ``pad_id`` in a prompt without a
                 ``padding_mask``.
         """
+        K, _ = check_beam_options(beam_size, length_penalty)
+        if K > 1:
+            others = {
+                "temperature": temperature != 1.0,
+                "top_k": top_k is not None,
+                "top_p": top_p is not None,
+                "min_p": min_p is not None,
+                "repetition_penalty": repetition_penalty != 1.0,
+                "min_new_tokens": min_new_tokens != 0,
+                "generator": generator is not None,
+                "streamer": streamer is not None,
+                "static_cache": static_cache is not False,
+                "compile": compile is not False,
+            }
+            given = [name for name, set_ in others.items() if set_]
+            if given:
+                raise ValueError(
+                    f"beam_size={K} takes padding_mask, eos_id and length_penalty only; got "
+                    f"{', '.join(given)}"
+                )
+            return beam_decoder_only(
+                self,
+                ids,
+                max_new_tokens,
+                padding_mask=padding_mask,
+                beam_size=K,
+                length_penalty=length_penalty,
+                eos_id=self.config.eos_id if eos_id is None else eos_id,
+            )
         return generate_decoder_only(
             self,
             ids,
