@@ -69,9 +69,11 @@ def test_forward_static_logits_match_forward(kind: str) -> None:
         tail = [
             model.forward_static(ids[:, t : t + 1], cache, torch.tensor([t])) for t in (4, 5, 6)
         ]
+        last = model(ids, pad, logits_to_keep=2)  # [B, 2, V]: the prefill's head on 2 rows
     got = torch.cat([head, *tail], dim=1)
     real = ~pad
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1.3e-6)
+    torch.testing.assert_close(last, want[:, -2:], atol=1e-5, rtol=1.3e-6)
 
 
 def test_compiled_step_is_one_graph_over_256_steps(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from qkv.checks import check_nonnegative_int
 from qkv.dropout import Dropout
 from qkv.models.beam import check_beam_options
 from qkv.models.config import DecoderOnlyConfig
@@ -142,7 +143,12 @@ class DecoderOnlyLM(nn.Module):
         )
 
     def forward_static(
-        self, ids: Tensor, kv_cache: StaticKVCache, cache_position: Tensor
+        self,
+        ids: Tensor,
+        kv_cache: StaticKVCache,
+        cache_position: Tensor,
+        *,
+        logits_to_keep: int = 0,
     ) -> Tensor:
         """Next-token logits with a fixed-shape cache: the step :func:`torch.compile` compiles
         once (no Python int depends on the step, no value is read on the host).
@@ -156,9 +162,10 @@ class DecoderOnlyLM(nn.Module):
             kv_cache: from :meth:`new_static_cache`, started with the prompt's padding.
             cache_position: long ``[T]``, the slots of ``ids`` (``arange(T0)`` for the prompt,
                 then ``[T0 + step]``).
+            logits_to_keep: as :meth:`forward`.
 
         Returns:
-            logits ``[B, T, V]``.
+            logits ``[B, T, V]`` (``[B, logits_to_keep, V]``).
 
         Raises:
             ValueError: ALiBi or relative positions (their biases are built for the cached keys
@@ -175,7 +182,7 @@ class DecoderOnlyLM(nn.Module):
         x, pos = position_inputs(self.positional, x, 0, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]
         x = self.blocks(x, mask, is_causal=False, rope=pos.rope, kv_cache=kv_cache)  # [B, T, D]
-        return self.lm_head(x)  # [B, T, V]
+        return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
 
     def forward(
         self,
@@ -185,6 +192,7 @@ class DecoderOnlyLM(nn.Module):
         *,
         cache: KVCache | None = None,
         validate: bool = True,
+        logits_to_keep: int = 0,
     ) -> Tensor:
         """Next-token logits at every position.
 
@@ -197,9 +205,12 @@ class DecoderOnlyLM(nn.Module):
             cache: deprecated spelling of ``kv_cache`` (one release).
             validate: check the id values (a host sync per call); False, or tracing /
                 compiling, skips it (see :func:`qkv.checks.checks_values`).
+            logits_to_keep: the logits of the last this many positions only (``transformers``'
+                argument of that name; 0: all). A prompt's prefill needs the last one: the head
+                over every position would cost ``T * D * V`` multiply-adds for nothing.
 
         Returns:
-            logits ``[B, T, V]``.
+            logits ``[B, T, V]`` (``[B, logits_to_keep, V]``).
 
         Raises:
             TypeError / ValueError: bad ids or mask, positions beyond ``max_positions``, both
@@ -209,6 +220,7 @@ class DecoderOnlyLM(nn.Module):
         cache = resolve_kv_cache(kv_cache, cache)
         if isinstance(cache, StaticKVCache):
             raise TypeError("a StaticKVCache is used with forward_static(ids, kv_cache, positions)")
+        check_nonnegative_int("logits_to_keep", logits_to_keep)
         check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
         mask, offset, positions = self_attention_padding(
             ids, padding_mask, c.pad_id, "padding_mask", cache, validate
@@ -219,7 +231,7 @@ class DecoderOnlyLM(nn.Module):
         x = self.blocks(
             x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
         )  # [B, T, D]
-        return self.lm_head(x)  # [B, T, V]
+        return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
 
     @torch.no_grad()
     def generate(

@@ -149,7 +149,7 @@ def beam_decoder_only(
 
     def step(new: Tensor) -> Tensor:
         mask = pad if new.shape[1] > 1 else no_pad
-        return model(new, mask, kv_cache=cache)[:, -1]  # [B*K, V]
+        return model(new, mask, kv_cache=cache, logits_to_keep=1)[:, -1]  # [B*K, V]
 
     fill = c.pad_id if c.pad_id is not None else (stop or (0,))[0]
     return beam_decode(
@@ -277,7 +277,7 @@ def _decoder_only_steps(
     seen = seen_tokens(ids, is_pad, c.vocab_size) if opts.tracks_seen else None  # [B, V]
     with torch.no_grad():
         if decoder is None:
-            logits = model(ids, prompt_pad, kv_cache=cache)[:, -1]  # [B, V]
+            logits = model(ids, prompt_pad, kv_cache=cache, logits_to_keep=1)[:, -1]  # [B, V]
         else:
             logits = decoder.prefill(ids, is_pad)  # [B, V]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]

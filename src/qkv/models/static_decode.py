@@ -83,7 +83,7 @@ class StaticDecoder:
         """
         self.cache.start(is_pad)
         slots = torch.arange(ids.shape[1], device=ids.device)  # [T0]
-        return self.model.forward_static(ids, self.cache, slots)[:, -1]  # [B, V]
+        return self.model.forward_static(ids, self.cache, slots, logits_to_keep=1)[:, -1]  # [B, V]
 
     def step(self, tokens: Tensor, slot: int) -> Tensor:
         """One step: ``[B]`` tokens written at ``slot`` -> logits ``[B, V]``."""
