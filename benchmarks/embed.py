@@ -5,6 +5,10 @@ interleaved (qkv, then each reference, repeated) so load on the machine hits all
 the median of the repeats is reported, with each one's ratio to the best peer (the faster
 ``BertModel``). Tokenizing and pooling are not timed: only the encoder. ``qkv (auto, unpad)`` is
 what ``qkv embed`` runs: the layers on the real tokens only (``BertEncoder(..., unpad=True)``).
+``ONNX Runtime`` runs the same ``BertModel`` exported with ``torch.onnx.export(dynamo=True)``
+(dynamic batch and length; its output checked against ``BertModel``'s within 1e-4 on the real
+tokens) in an ``InferenceSession`` with all graph optimizations and the same thread count;
+``--no-onnx`` leaves it out.
 
     python benchmarks/embed.py --batch 1 32 128 --repeats 15 --threads 2
     python benchmarks/embed.py --quick   # qkv auto (padded, unpadded) against BertModel sdpa
@@ -17,8 +21,10 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
 
@@ -52,6 +58,7 @@ def main() -> None:
         action="store_true",
         help="only qkv auto (padded and unpadded) and BertModel sdpa, 7 repeats unless given",
     )
+    parser.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 7 if args.quick and "--repeats" not in sys.argv else args.repeats
@@ -65,8 +72,49 @@ def main() -> None:
         ).eval()
         for impl in impls
     }
+    session = None if args.no_onnx else onnx_session(embedder, refs["sdpa"], args.threads)
     for batch in args.batch:
-        bench(embedder, models, refs, batch, repeats, args.threads, args.quick)
+        bench(embedder, models, refs, batch, repeats, args.threads, args.quick, session)
+
+
+def onnx_session(
+    embedder: SentenceEmbedder, ref: transformers.BertModel, threads: int
+) -> Callable[[dict[str, object]], object]:
+    """``ref`` exported to ONNX (dynamic batch and length) in an ONNX Runtime session.
+
+    Returns:
+        ``run(feeds)``, the session's ``run`` for its outputs.
+
+    Raises:
+        AssertionError: its output is not ``ref``'s within 1e-4 on the real tokens.
+    """
+    import onnxruntime as ort  # a dev dependency; only this contestant needs it
+
+    ids, mask, types = embedder.tokenize(sentences(4))
+    B, L = torch.export.Dim("B", min=1, max=4096), torch.export.Dim("L", min=2, max=512)
+    path = Path(tempfile.mkdtemp()) / "bert.onnx"
+    program = torch.onnx.export(
+        ref, (ids, mask, types), input_names=["input_ids", "attention_mask", "token_type_ids"],
+        output_names=["last_hidden_state"], dynamo=True,
+        dynamic_shapes=({0: B, 1: L}, {0: B, 1: L}, {0: B, 1: L}),
+    )  # fmt: skip
+    assert program is not None
+    program.save(str(path))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = {
+        "input_ids": ids.numpy(),
+        "attention_mask": mask.numpy(),
+        "token_type_ids": types.numpy(),
+    }
+    got = torch.from_numpy(session.run(["last_hidden_state"], feeds)[0])
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    real = mask.bool()
+    assert torch.allclose(got[real], want[real], atol=1e-4), "ONNX Runtime differs from BertModel"
+    return lambda f: session.run(["last_hidden_state"], f)
 
 
 def bench(
@@ -77,6 +125,7 @@ def bench(
     repeats: int,
     threads: int,
     quick: bool,
+    session: Callable[[dict[str, object]], object] | None = None,
 ) -> None:
     """Time every contestant on one batch of ``batch`` sentences and print the table."""
     ids, attention_mask, type_ids = embedder.tokenize(sentences(batch))
@@ -97,6 +146,11 @@ def bench(
             ref, input_ids=ids, attention_mask=attention_mask, token_type_ids=type_ids
         )
 
+    if session is not None:
+        feeds = {"input_ids": ids.numpy(), "attention_mask": attention_mask.numpy()}
+        feeds["token_type_ids"] = type_ids.numpy()
+        runs["ONNX Runtime (BertModel)"] = functools.partial(session, feeds)
+
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
         for fn in runs.values():  # warm-up
@@ -107,14 +161,15 @@ def bench(
                 fn()
                 times[name].append(time.perf_counter() - start)
 
-    peer = min((n for n in times if n.startswith("BertModel")), key=lambda n: _median(times[n]))
-    base = _median(times[peer])
+    peers = [n for n in times if n.startswith(("BertModel", "ONNX"))]
+    peer = min(peers, key=lambda n: _median(times[n]))
+    base, sdpa = _median(times[peer]), _median(times["BertModel (sdpa)"])
     width = max(len(name) for name in runs)
     for name, ts in times.items():
         med = _median(ts)
         print(
             f"{name:<{width}}  {med * 1e3:8.2f} ms  {batch / med:8.1f} sentences/s  "
-            f"{base / med:5.2f}x {peer}"
+            f"{sdpa / med:5.2f}x BertModel (sdpa)  {base / med:5.2f}x {peer}"
         )
 
 

@@ -2,6 +2,7 @@
 with save_pretrained; teacher-forced logits within 1e-4 on padded sources, greedy and beam
 outputs equal to transformers.generate (rows stopping at different steps)."""
 
+import json
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -135,3 +136,28 @@ def test_unsupported_options_and_bad_shapes_are_named(tmp_path: Path) -> None:
         ValueError, match=r"shared.weight has shape \[64, 32\], expected \[64, 16\]"
     ):
         load_hf(tmp_path / "b")
+
+
+def test_forced_bos_and_eos_as_transformers_generate(tmp_path: Path) -> None:
+    """BART's default config forces eos (2) at the last step; a forced_bos_token_id in
+    generation_config.json (which transformers reads before config.json) forces the first."""
+    torch.manual_seed(0)
+    sizes = {k: v for k, v in SIZES.items() if k != "forced_eos_token_id"}
+    cfg = tr.BartConfig(**sizes, eos_token_id=0, decoder_start_token_id=2)
+    assert cfg.forced_eos_token_id == 2
+    _randomise(tr.BartForConditionalGeneration(cfg)).save_pretrained(tmp_path)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "forced_bos_token_id": 7}))
+    ref = tr.BartForConditionalGeneration.from_pretrained(tmp_path).eval()
+    ours = load_hf(tmp_path)
+    assert isinstance(ours, Transformer)
+    assert (ours.config.forced_bos_id, ours.config.forced_eos_id) == (7, 2)
+    src, am = _source(ours.config.pad_id)
+    for beams in (1, 3):
+        with torch.no_grad():
+            want = ref.generate(
+                src, attention_mask=am, max_new_tokens=6, do_sample=False, num_beams=beams
+            )
+        got = ours.generate(src, 6, beam_size=beams)
+        assert got.tolist() == want.tolist(), beams
+        assert (got[:, 1] == 7).all() and (got[:, -1] == 2).all(), got

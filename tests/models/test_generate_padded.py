@@ -45,6 +45,7 @@ def _gpt2() -> tr.PreTrainedModel:
 
 
 MODELS = {"llama": _llama, "gpt2": _gpt2}
+STOP = {"llama": 123, "gpt2": 102}  # a token one row's beam search produces, as eos
 
 
 def _pair(kind: str, root: Path) -> tuple[tr.PreTrainedModel, DecoderOnlyLM]:
@@ -68,6 +69,29 @@ def test_left_padded_greedy_equals_transformers(kind: str, tmp_path: Path) -> No
     assert got.tolist() == expected.tolist()
     alone = model.generate(torch.tensor([PROMPTS[1][2:]]), NEW, greedy=True)
     assert alone[0].tolist() == got[1, 2:].tolist()  # a padded row decodes as if alone
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_left_padded_beam_search_equals_transformers(kind: str, tmp_path: Path) -> None:
+    ref, model = _pair(kind, tmp_path)
+    ids, pad = torch.tensor(PROMPTS), torch.tensor(PAD)
+    for eos in (None, STOP[kind]):
+        with torch.no_grad():
+            want = ref.generate(
+                ids, attention_mask=(~pad).long(), max_new_tokens=NEW, do_sample=False,
+                num_beams=3, eos_token_id=eos,
+            ).tolist()  # fmt: skip
+        got = model.generate(ids, NEW, padding_mask=pad, beam_size=3, eos_id=eos).tolist()
+        for g, w in zip(got, want, strict=True):
+            end = g.index(eos, 5) + 1 if eos in g[5:] else len(g)
+            assert g[:end] == w[:end], (eos, got, want)
+            # after the stop qkv pads with pad_id; transformers fills with
+            # `pad_token_id or eos_token_id`: eos when the pad id is 0
+            assert set(g[end:]) <= {0} and set(w[end:]) <= {eos}, (eos, got, want)
+        if eos is not None:  # one row stops, the other runs to the end
+            assert sorted(eos in row[5:] for row in got) == [False, True], got
+    with pytest.raises(ValueError, match="beam_size=3 takes padding_mask, eos_id and"):
+        model.generate(ids, 2, padding_mask=pad, beam_size=3, top_k=5)
 
 
 @pytest.mark.parametrize("positional", ["rotary", "learned", "sinusoidal", "alibi"])

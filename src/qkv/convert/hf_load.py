@@ -2,8 +2,10 @@
 
 ``bert`` becomes :class:`qkv.models.bert.BertEncoder` (:mod:`qkv.convert.hf_bert`); ``llama``,
 ``qwen2``, ``mistral`` (:mod:`qkv.convert.hf_llama`) and ``gpt2`` (:mod:`qkv.convert.hf_gpt2`)
-become :class:`qkv.DecoderOnlyLM`. The config is read and checked first, then the weight headers
-against the shapes it implies; tensors are allocated only when everything fits.
+become :class:`qkv.DecoderOnlyLM`; ``bart``, ``marian`` (:mod:`qkv.convert.hf_seq2seq`) and
+``t5`` (:mod:`qkv.convert.hf_t5`) become :class:`qkv.Transformer`. The config is read and
+checked first, then the weight headers against the shapes it implies; tensors are allocated only
+when everything fits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 import qkv.convert.hf_gpt2 as hf_gpt2
 import qkv.convert.hf_llama as hf_llama
 import qkv.convert.hf_seq2seq as hf_seq2seq
+import qkv.convert.hf_t5 as hf_t5
 from qkv.convert.hf_bert import load_bert
 from qkv.convert.hf_files import (
     check_against,
@@ -94,8 +97,9 @@ def load_hf(
     Returns:
         A :class:`~qkv.models.bert.BertEncoder` (``bert``), a :class:`~qkv.DecoderOnlyLM`
         (``llama``, ``qwen2``, ``mistral``, ``gpt2``) or a :class:`~qkv.Transformer` (``bart``,
-        ``marian``; :mod:`qkv.convert.hf_seq2seq`); a decoder's ``forward(ids,
-        padding_mask)`` gives the logits of ``*ForCausalLM`` (``padding_mask`` True = padding).
+        ``marian``: :mod:`qkv.convert.hf_seq2seq`; ``t5``: :mod:`qkv.convert.hf_t5`); a
+        decoder's ``forward(ids, padding_mask)`` gives the logits of ``*ForCausalLM``
+        (``padding_mask`` True = padding).
 
     Raises:
         FileNotFoundError: no such directory, no ``config.json``, no safetensors weights (a
@@ -109,7 +113,7 @@ def load_hf(
     kind = read_config(root).get("model_type")
     if kind == "bert":
         return load_bert(root, backend=backend, device=device, dtype=dtype)
-    known = ["bert", *DECODERS, *hf_seq2seq.MODEL_TYPES]
+    known = ["bert", *DECODERS, *hf_seq2seq.MODEL_TYPES, *hf_t5.MODEL_TYPES]
     if kind not in known:
         raise ValueError(
             f"{root / 'config.json'}: model_type={kind!r} is not supported; known: {sorted(known)}"
@@ -117,6 +121,8 @@ def load_hf(
     model: nn.Module
     if kind in hf_seq2seq.MODEL_TYPES:
         model = hf_seq2seq.load_seq2seq(root, kind)
+    elif kind in hf_t5.MODEL_TYPES:
+        model = hf_t5.load_t5(root)
     else:
         model = _load_decoder(root, kind)
     if backend not in BACKENDS:

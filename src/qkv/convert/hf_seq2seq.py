@@ -13,12 +13,17 @@ encoder, the decoder and the head, no final norm on either stack, and a ``final_
   shared by both stacks. Its decoder starts from the pad token (qkv's ``bos_id == pad_id``).
 
 ``decoder_start_token_id`` becomes qkv's ``bos_id``, the token :meth:`Transformer.generate`
-starts from (BART's is its ``eos_token_id``). Shapes: V vocabulary, D model width, L positions.
+starts from (BART's is its ``eos_token_id``); ``forced_bos_token_id`` / ``forced_eos_token_id``
+(BART's default config forces its eos at the last step) become ``forced_bos_id`` /
+``forced_eos_id``, read as ``transformers`` reads them
+(:func:`~qkv.convert.hf_tokens.forced_token_ids`).
+Shapes: V vocabulary, D model width, L positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,7 @@ from qkv.convert.hf_files import (
     weight_files,
     write_dir,
 )
-from qkv.convert.hf_tokens import token_id
+from qkv.convert.hf_tokens import forced_token_ids, token_id
 from qkv.models.config import TransformerConfig
 from qkv.models.registry import load_weights
 from qkv.models.transformer import Transformer
@@ -234,7 +239,11 @@ def load_seq2seq(root: Path, kind: str) -> Transformer:
         ValueError: see :func:`config_from_hf`; unknown, missing or mis-shaped keys, named.
     """
     source = str(root / "config.json")
-    c = config_from_hf(read_config(root), source=source)
+    hf = read_config(root)
+    forced_bos, forced_eos = forced_token_ids(root, hf, source)
+    c = replace(
+        config_from_hf(hf, source=source), forced_bos_id=forced_bos, forced_eos_id=forced_eos
+    )
     layer_rules = rules(c)
     raw = read_headers(weight_files(root))
     # BartForConditionalGeneration / MarianMTModel prefix the body with "model."; the bare
@@ -320,7 +329,8 @@ def config_to_hf(c: TransformerConfig) -> dict[str, Any]:
         "pad_token_id": c.pad_id,
         "eos_token_id": c.eos_id,
         "decoder_start_token_id": c.bos_id,
-        "forced_eos_token_id": None,
+        "forced_bos_token_id": c.forced_bos_id,
+        "forced_eos_token_id": c.forced_eos_id,
         "dropout": 0.0,
         "attention_dropout": 0.0,
         "activation_dropout": 0.0,

@@ -3,14 +3,23 @@
 ``transformers`` allows ``None``, an int, or (for ``eos_token_id``) a list of ints. Some
 checkpoints write an id outside the vocabulary (``pad_token_id: -1`` in early Llama
 conversions) to say "none"; no id of a prompt can equal it, so it is read as None.
+
+The ids ``generate`` forces (``forced_bos_token_id``, ``forced_eos_token_id``) are generation
+settings: ``transformers`` reads them from ``generation_config.json`` when the directory has
+one, else from ``config.json``; :func:`forced_token_ids` does the same.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["token_id"]
+__all__ = ["GENERATION_FILE", "forced_token_ids", "token_id"]
+
+GENERATION_FILE = "generation_config.json"
+_MAX_GENERATION_BYTES = 1 << 20  # a generation config is a few hundred bytes
 
 
 def token_id(hf: Mapping[str, Any], key: str, source: str) -> int | None:
@@ -42,3 +51,43 @@ def token_id(hf: Mapping[str, Any], key: str, source: str) -> int | None:
     if isinstance(V, int) and not 0 <= value < V:
         return None
     return value
+
+
+def forced_token_ids(
+    root: Path, hf: Mapping[str, Any], source: str
+) -> tuple[int | None, int | None]:
+    """``(forced_bos_token_id, forced_eos_token_id)`` as ``transformers.generate`` reads them.
+
+    From ``generation_config.json`` when ``root`` has one (``save_pretrained`` writes it, and
+    ``transformers`` then ignores ``config.json``'s values), else from ``hf``. A list of forced
+    eos ids gives its first (qkv forces one token).
+
+    Args:
+        root: the checkpoint directory.
+        hf: its parsed ``config.json`` (whose ``vocab_size`` bounds the ids).
+        source: ``config.json``'s path, for the messages.
+
+    Returns:
+        The two ids, each None when absent.
+
+    Raises:
+        ValueError: a ``generation_config.json`` that is too large, not JSON, or not an object;
+            an id that is not an int.
+    """
+    path = root / GENERATION_FILE
+    settings: Mapping[str, Any] = hf
+    if path.is_file():
+        if path.stat().st_size > _MAX_GENERATION_BYTES:
+            raise ValueError(f"{path} is larger than {_MAX_GENERATION_BYTES} bytes")
+        try:
+            parsed = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(parsed).__name__}")
+        settings = {**parsed, "vocab_size": hf.get("vocab_size")}
+        source = str(path)
+    return (
+        token_id(settings, "forced_bos_token_id", source),
+        token_id(settings, "forced_eos_token_id", source),
+    )

@@ -126,6 +126,10 @@ class ModelConfig(ConfigDict):
         rope_layout: which head dims rotary embeddings rotate together: ``"half_split"``
             ``(x[i], x[i + Dh/2])`` (Hugging Face Llama) or ``"interleaved"`` ``(x[2i], x[2i+1])``
             (GPT-J, Meta's original Llama); see :data:`qkv.nn.positional.ROPE_LAYOUTS`.
+        attn_scale: the attention's score multiplier; None: ``1 / sqrt(head_dim)``. T5 uses
+            1.0 (its query weights carry the scale).
+        relative_buckets: buckets of T5's relative position bias (``positional="relative"``).
+        relative_max_distance: its longest bucketed distance (``positional="relative"``).
 
     Raises:
         TypeError / ValueError: in ``__post_init__``, naming the first bad field and its value.
@@ -150,6 +154,9 @@ class ModelConfig(ConfigDict):
     ffn_bias: bool = True
     rope_theta: float = 10000.0
     rope_layout: RopeLayout = "half_split"
+    attn_scale: float | None = None
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
 
     def __post_init__(self) -> None:
         for name in ("d_model", "num_heads", "dim_feedforward", "max_positions"):
@@ -188,6 +195,18 @@ class ModelConfig(ConfigDict):
             raise ValueError(f"rope_theta must be a float > 1, got {theta!r}")
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}")
+        if self.attn_scale is not None:
+            _check_positive_float("attn_scale", self.attn_scale)
+        check_positive_int("relative_buckets", self.relative_buckets)
+        check_positive_int("relative_max_distance", self.relative_max_distance)
+        if self.positional == "relative" and (
+            self.relative_buckets < 4 or self.relative_max_distance <= self.relative_buckets // 2
+        ):
+            raise ValueError(
+                f"positional='relative' needs relative_buckets >= 4 and relative_max_distance > "
+                f"relative_buckets // 2, got {self.relative_buckets} and "
+                f"{self.relative_max_distance}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -214,6 +233,8 @@ class ModelConfig(ConfigDict):
             "max_positions": self.max_positions,
             "rope_theta": self.rope_theta,
             "rope_layout": self.rope_layout,
+            "relative_buckets": self.relative_buckets,
+            "relative_max_distance": self.relative_max_distance,
         }
 
     def layer_kwargs(self) -> dict[str, Any]:
@@ -232,7 +253,14 @@ class ModelConfig(ConfigDict):
             "qkv_bias": self.qkv_bias,
             "out_bias": self.out_bias,
             "ffn_bias": self.ffn_bias,
+            "attn_scale": self.attn_scale,
         }
+
+
+def _check_positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    return float(value)
 
 
 def _check_token(name: str, value: int | None, vocab: int, vocab_name: str) -> None:
@@ -267,6 +295,12 @@ class TransformerConfig(ModelConfig):
         share_positions: the encoder and decoder share one positional module; False: the
             decoder has its own (``tgt_positional``; BART learns one table per stack).
         head_bias: a bias on the output head (BART's and Marian's ``final_logits_bias``).
+        output_scale: the decoder's output is multiplied by it before the head (T5 with a head
+            tied to its embedding: ``d_model ** -0.5``).
+        forced_bos_id: :meth:`~qkv.Transformer.generate` makes it the first generated token
+            (``transformers``' ``forced_bos_token_id``), or None.
+        forced_eos_id: the token the last step of :meth:`~qkv.Transformer.generate` is forced
+            to (``forced_eos_token_id``; BART's default config sets it to its ``eos``), or None.
         others: see :class:`ModelConfig`.
 
     Raises:
@@ -286,6 +320,9 @@ class TransformerConfig(ModelConfig):
     final_norm: bool = True
     share_positions: bool = True
     head_bias: bool = False
+    output_scale: float = 1.0
+    forced_bos_id: int | None = None
+    forced_eos_id: int | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("src_vocab_size", self.src_vocab_size)
@@ -293,12 +330,13 @@ class TransformerConfig(ModelConfig):
         super().__post_init__()
         check_nonnegative_int("num_encoder_layers", self.num_encoder_layers)
         check_positive_int("num_decoder_layers", self.num_decoder_layers)
-        for name in ("pad_id", "bos_id", "eos_id"):
+        for name in ("pad_id", "bos_id", "eos_id", "forced_bos_id", "forced_eos_id"):
             _check_token(name, getattr(self, name), self.tgt_vocab_size, "tgt_vocab_size")
         _check_token("pad_id", self.pad_id, self.src_vocab_size, "src_vocab_size")
         for name in ("scale_embeddings", "embed_norm", "final_norm", "share_positions"):
             check_bool(name, getattr(self, name))
         check_bool("head_bias", self.head_bias)
+        _check_positive_float("output_scale", self.output_scale)
 
 
 @_accepts_max_len

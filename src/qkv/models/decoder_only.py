@@ -17,15 +17,18 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from qkv.checks import check_nonnegative_int
 from qkv.dropout import Dropout
+from qkv.models.beam import check_beam_options
 from qkv.models.config import DecoderOnlyConfig
-from qkv.models.generate import generate_decoder_only, stream_decoder_only
+from qkv.models.generate import beam_decoder_only, generate_decoder_only, stream_decoder_only
 from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.norms import make_norm
 from qkv.nn.positions import make_positional, position_inputs
 from qkv.nn.stacks import Encoder
+from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = ["LEGACY_PREFIXES", "DecoderOnlyLM", "upgrade_state_dict"]
 
@@ -116,6 +119,71 @@ class DecoderOnlyLM(nn.Module):
         c = self.config
         return KVCache(c.num_layers, c.max_positions if capacity is None else capacity)
 
+    def new_static_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        """An empty :class:`~qkv.nn.static_kv_cache.StaticKVCache` on this model's device and
+        dtype, for :meth:`forward_static`.
+
+        Args:
+            batch_size: B.
+            capacity: C, the slots (prompt + generated tokens).
+
+        Returns:
+            The cache.
+        """
+        c = self.config
+        w = self.lm_head.weight
+        return StaticKVCache(
+            c.num_layers,
+            capacity,
+            batch_size=batch_size,
+            num_kv_heads=c.num_heads if c.num_kv_heads is None else c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=w.dtype,
+            device=w.device,
+        )
+
+    def forward_static(
+        self,
+        ids: Tensor,
+        kv_cache: StaticKVCache,
+        cache_position: Tensor,
+        *,
+        logits_to_keep: int = 0,
+    ) -> Tensor:
+        """Next-token logits with a fixed-shape cache: the step :func:`torch.compile` compiles
+        once (no Python int depends on the step, no value is read on the host).
+
+        Each token attends over all ``C`` slots of ``kv_cache``, those after its own and the
+        prompt's padding (recorded by :meth:`StaticKVCache.start`) blocked; its position is its
+        slot minus its row's left padding, as in :meth:`forward`.
+
+        Args:
+            ids: ``[B, T]`` new token ids (not checked: check them before, outside the graph).
+            kv_cache: from :meth:`new_static_cache`, started with the prompt's padding.
+            cache_position: long ``[T]``, the slots of ``ids`` (``arange(T0)`` for the prompt,
+                then ``[T0 + step]``).
+            logits_to_keep: as :meth:`forward`.
+
+        Returns:
+            logits ``[B, T, V]`` (``[B, logits_to_keep, V]``).
+
+        Raises:
+            ValueError: ALiBi or relative positions (their biases are built for the cached keys
+                only; use :meth:`forward` with a :class:`KVCache`).
+        """
+        c = self.config
+        if c.positional in ("alibi", "relative"):
+            raise ValueError(
+                f"forward_static supports absolute and rotary positions, got "
+                f"positional={c.positional!r}; use forward with a KVCache"
+            )
+        mask, positions = kv_cache.prepare(cache_position)  # [B, 1, T, C], [B, T]
+        x = self.embed(ids)  # [B, T, D]
+        x, pos = position_inputs(self.positional, x, 0, causal=True, positions=positions)
+        x = self.embed_dropout(x)  # [B, T, D]
+        x = self.blocks(x, mask, is_causal=False, rope=pos.rope, kv_cache=kv_cache)  # [B, T, D]
+        return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
+
     def forward(
         self,
         ids: Tensor,
@@ -124,6 +192,7 @@ class DecoderOnlyLM(nn.Module):
         *,
         cache: KVCache | None = None,
         validate: bool = True,
+        logits_to_keep: int = 0,
     ) -> Tensor:
         """Next-token logits at every position.
 
@@ -136,9 +205,12 @@ class DecoderOnlyLM(nn.Module):
             cache: deprecated spelling of ``kv_cache`` (one release).
             validate: check the id values (a host sync per call); False, or tracing /
                 compiling, skips it (see :func:`qkv.checks.checks_values`).
+            logits_to_keep: the logits of the last this many positions only (``transformers``'
+                argument of that name; 0: all). A prompt's prefill needs the last one: the head
+                over every position would cost ``T * D * V`` multiply-adds for nothing.
 
         Returns:
-            logits ``[B, T, V]``.
+            logits ``[B, T, V]`` (``[B, logits_to_keep, V]``).
 
         Raises:
             TypeError / ValueError: bad ids or mask, positions beyond ``max_positions``, both
@@ -146,6 +218,9 @@ class DecoderOnlyLM(nn.Module):
         """
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
+        if isinstance(cache, StaticKVCache):
+            raise TypeError("a StaticKVCache is used with forward_static(ids, kv_cache, positions)")
+        check_nonnegative_int("logits_to_keep", logits_to_keep)
         check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
         mask, offset, positions = self_attention_padding(
             ids, padding_mask, c.pad_id, "padding_mask", cache, validate
@@ -156,7 +231,7 @@ class DecoderOnlyLM(nn.Module):
         x = self.blocks(
             x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
         )  # [B, T, D]
-        return self.lm_head(x)  # [B, T, V]
+        return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
 
     @torch.no_grad()
     def generate(
@@ -175,9 +250,14 @@ class DecoderOnlyLM(nn.Module):
         min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
         streamer: Callable[[Tensor], object] | None = None,
+        static_cache: bool = False,
+        compile: bool = False,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
     ) -> Tensor:
-        """Continue the prompts with the KV cache: greedy, or sampling; the options and their
-        order are those of ``transformers``' ``generate`` (see :mod:`qkv.models.decoding`).
+        """Continue the prompts with the KV cache: greedy, sampling or beam search; the options
+        and their order are those of ``transformers``' ``generate`` (see
+        :mod:`qkv.models.decoding`).
 
         Args:
             ids: prompts ``[B, T0]``; prompts of different lengths are left-padded.
@@ -201,9 +281,22 @@ class DecoderOnlyLM(nn.Module):
             min_new_tokens: the stop ids are banned until this many tokens are generated.
             generator: random generator for reproducible sampling.
             streamer: called with each step's tokens, long ``[B]``, as soon as they are chosen.
+            static_cache: decode with a fixed-shape
+                :class:`~qkv.nn.static_kv_cache.StaticKVCache` (:meth:`forward_static`);
+                the same tokens as the default growing :class:`KVCache`.
+            compile: also compile the decoding step with ``torch.compile(fullgraph=True)``
+                (implies ``static_cache``): it compiles once per batch size and cache capacity
+                (:mod:`qkv.models.static_decode`), then every step reuses the graph. The eager
+                path stays the default.
+            beam_size: K > 1: beam search (deterministic, as ``transformers``' ``num_beams``
+                with ``do_sample=False``; :mod:`qkv.models.beam`); it takes ``padding_mask``,
+                ``eos_id`` and ``length_penalty`` only, and refuses the other options.
+            length_penalty: beam search ranks finished hypotheses by
+                ``sum log p / length ** length_penalty`` (``length``: generated tokens).
 
         Returns:
-            long ``[B, T0 + n]`` (shorter when every row has stopped).
+            long ``[B, T0 + n]`` (shorter when every row has stopped; beam search: each row's
+            best hypothesis, right-padded).
 
         Raises:
             TypeError / ValueError: each bad value, before any step runs: n < 1,
@@ -212,6 +305,35 @@ class DecoderOnlyLM(nn.Module):
                 right-padded prompt, a row of padding only, ``pad_id`` in a prompt without a
                 ``padding_mask``.
         """
+        K, _ = check_beam_options(beam_size, length_penalty)
+        if K > 1:
+            others = {
+                "temperature": temperature != 1.0,
+                "top_k": top_k is not None,
+                "top_p": top_p is not None,
+                "min_p": min_p is not None,
+                "repetition_penalty": repetition_penalty != 1.0,
+                "min_new_tokens": min_new_tokens != 0,
+                "generator": generator is not None,
+                "streamer": streamer is not None,
+                "static_cache": static_cache is not False,
+                "compile": compile is not False,
+            }
+            given = [name for name, set_ in others.items() if set_]
+            if given:
+                raise ValueError(
+                    f"beam_size={K} takes padding_mask, eos_id and length_penalty only; got "
+                    f"{', '.join(given)}"
+                )
+            return beam_decoder_only(
+                self,
+                ids,
+                max_new_tokens,
+                padding_mask=padding_mask,
+                beam_size=K,
+                length_penalty=length_penalty,
+                eos_id=self.config.eos_id if eos_id is None else eos_id,
+            )
         return generate_decoder_only(
             self,
             ids,
@@ -219,6 +341,8 @@ class DecoderOnlyLM(nn.Module):
             streamer=streamer,
             padding_mask=padding_mask,
             generator=generator,
+            static_cache=static_cache,
+            compile=compile,
             greedy=greedy,
             temperature=temperature,
             top_k=top_k,
@@ -244,13 +368,15 @@ class DecoderOnlyLM(nn.Module):
         eos_id: int | Sequence[int] | None = None,
         min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
+        static_cache: bool = False,
+        compile: bool = False,
     ) -> Iterator[Tensor]:
         """:meth:`generate`, one step at a time: yields each step's tokens as they come.
 
         The arguments are checked when ``stream`` is called, not at the first step.
 
         Args:
-            ids ... generator: as :meth:`generate`.
+            ids ... generator, static_cache, compile: as :meth:`generate`.
 
         Returns:
             An iterator of long ``[B]`` tensors, one per generated position; it ends after n
@@ -265,6 +391,8 @@ class DecoderOnlyLM(nn.Module):
             max_new_tokens,
             padding_mask=padding_mask,
             generator=generator,
+            static_cache=static_cache,
+            compile=compile,
             greedy=greedy,
             temperature=temperature,
             top_k=top_k,

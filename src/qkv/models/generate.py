@@ -13,22 +13,24 @@ Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
-from qkv.models.decoding import DecodingOptions, seen_tokens
+from qkv.checks import check_bool, check_positive_int
+from qkv.models.beam import beam_decode, check_beam_options, forced_token
+from qkv.models.decoding import DecodingOptions, check_stop_ids, seen_tokens
 from qkv.models.inputs import check_ids, key_padding
+from qkv.models.static_decode import StaticDecoder, static_capacity
 
 if TYPE_CHECKING:
     from qkv.models.decoder_only import DecoderOnlyLM
     from qkv.models.transformer import Transformer
 
 __all__ = [
+    "beam_decoder_only",
     "beam_search",
     "check_beam_options",
     "generate_decoder_only",
@@ -36,27 +38,6 @@ __all__ = [
     "prompt_padding",
     "stream_decoder_only",
 ]
-
-
-def check_beam_options(beam_size: object, length_penalty: object) -> tuple[int, float]:
-    """Accept a beam width (an int >= 1, not a bool) and a finite length penalty.
-
-    Returns:
-        ``(beam_size, float(length_penalty))``.
-
-    Raises:
-        TypeError: ``beam_size`` not an int (``True`` included), ``length_penalty`` not a number.
-        ValueError: ``beam_size < 1``, a NaN or infinite ``length_penalty``.
-    """
-    k = check_positive_int("beam_size", beam_size)
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float):
-        raise TypeError(
-            f"length_penalty must be a float, got {length_penalty!r} "
-            f"({type(length_penalty).__name__})"
-        )
-    if not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be finite, got {length_penalty}")
-    return k, float(length_penalty)
 
 
 def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
@@ -82,8 +63,9 @@ def greedy_encoder_decoder(
     out = torch.full((B, 1), c.bos_id, dtype=torch.long, device=src.device)  # [B, 1]
     finished = torch.zeros(B, dtype=torch.bool, device=src.device)  # [B]
     step_in = out
-    for _ in range(n):
+    for step in range(n):
         logits = model.decode(step_in, memory, is_pad, kv_cache=cache)[:, -1]  # [B, V]
+        logits = forced_token(logits, step, n, c.forced_bos_id, c.forced_eos_id)  # [B, V]
         nxt = logits.argmax(dim=-1)  # [B]
         nxt = torch.where(finished, torch.full_like(nxt, c.pad_id), nxt)  # [B]
         out = torch.cat([out, nxt[:, None]], dim=1)  # [B, L]
@@ -102,14 +84,8 @@ def beam_search(
     beam_size: int,
     length_penalty: float,
 ) -> Tensor:
-    """Beam search; returns the best hypothesis per source (see :meth:`Transformer.generate`).
-
-    Each step extends every live beam by every token and keeps the ``K`` best non-final
-    continuations by summed log-probability; a continuation ending in ``eos_id`` becomes a
-    finished hypothesis scored ``sum log p / length ** length_penalty`` (``length`` counts the
-    generated tokens, ``eos_id`` included). Live beams still open after ``n`` steps finish there.
-    A source stops early once its best finished score beats an upper bound of what any live beam
-    can still reach (log-probabilities only fall as a beam grows).
+    """Beam search from ``bos_id`` (:func:`qkv.models.beam.beam_decode`); see
+    :meth:`Transformer.generate`.
 
     Raises:
         ValueError: ``beam_size < 1``, a non-finite ``length_penalty`` or bad ``max_new_tokens``.
@@ -120,73 +96,72 @@ def beam_search(
     n = _check_steps(max_new_tokens, 1, c.max_positions)
     src_pad = model.source_padding(src, src_padding_mask)  # [B, S] or None
     B = src.shape[0]
-    dev = src.device
     memory = model.encode_padded(src, src_pad).repeat_interleave(K, dim=0)  # [B*K, S, D]
     is_pad = None if src_pad is None else src_pad.repeat_interleave(K, dim=0)  # [B*K, S]
     cache = model.new_cache(1 + n)
-    seqs = torch.full((B * K, 1), c.bos_id, dtype=torch.long, device=dev)  # [B*K, 1]
-    scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
-    scores[:, 0] = 0.0
-    best: list[tuple[float, Tensor] | None] = [None] * B
-    done = [False] * B
-    step_in = seqs
-    for step in range(1, n + 1):
-        logits = model.decode(step_in, memory, is_pad, kv_cache=cache)[:, -1]  # [B*K, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [B*K, V]
-        V = logp.shape[-1]
-        cand = (scores.reshape(B * K, 1) + logp).reshape(B, K * V)  # [B, K*V]
-        top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)  # [B, 2K]
-        new_scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
-        new_beam = torch.zeros((B, K), dtype=torch.long, device=dev)  # [B, K]
-        new_tok = torch.full((B, K), c.pad_id, dtype=torch.long, device=dev)  # [B, K]
-        for b in range(B):
-            j = 0
-            for s, idx in zip(top_s[b].tolist(), top_i[b].tolist(), strict=True):
-                if s == float("-inf") or j == K:
-                    break
-                beam, tok = divmod(idx, V)
-                if tok == c.eos_id:
-                    if not done[b]:
-                        _offer(best, b, s / step**lp, seqs[b * K + beam], tok)
-                    continue
-                new_scores[b, j], new_beam[b, j], new_tok[b, j] = s, beam, tok
-                j += 1
-        flat = (torch.arange(B, device=dev)[:, None] * K + new_beam).reshape(-1)  # [B*K]
-        cache.reorder(flat)
-        seqs = torch.cat([seqs[flat], new_tok.reshape(-1, 1)], dim=1)  # [B*K, step + 1]
-        scores = new_scores
-        if step == n:
-            for b in range(B):
-                for j in range(K):
-                    s = float(scores[b, j])
-                    if s > float("-inf") and not done[b]:
-                        _offer(best, b, s / n**lp, seqs[b * K + j, :-1], int(seqs[b * K + j, -1]))
-            break
-        for b in range(B):
-            top_live = float(scores[b].max())
-            entry = best[b]
-            # a live beam ends with length in [step + 1, n] and score <= top_live <= 0
-            reach = top_live / (n**lp if lp >= 0 else (step + 1) ** lp)
-            if entry is not None and (top_live == float("-inf") or entry[0] >= reach):
-                done[b] = True
-        if all(done):
-            break
-        step_in = new_tok.reshape(-1, 1)  # [B*K, 1]
-    rows = [entry[1] for entry in best if entry is not None]
-    assert len(rows) == B, "every source has a hypothesis after the first step"
-    L = max(r.shape[0] for r in rows)
-    out = torch.full((B, L), c.pad_id, dtype=torch.long, device=dev)  # [B, L]
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r
-    return out
+    start = torch.full((B * K, 1), c.bos_id, dtype=torch.long, device=src.device)  # [B*K, 1]
+    return beam_decode(
+        lambda tgt: model.decode(tgt, memory, is_pad, kv_cache=cache)[:, -1],
+        cache.reorder,
+        start,
+        beam_size=K,
+        max_new_tokens=n,
+        length_penalty=lp,
+        stop_ids=(c.eos_id,),
+        pad_id=c.pad_id,
+        forced=(c.forced_bos_id, c.forced_eos_id),
+    )
 
 
-def _offer(
-    best: list[tuple[float, Tensor] | None], b: int, score: float, prefix: Tensor, tok: int
-) -> None:
-    entry = best[b]
-    if entry is None or score > entry[0]:
-        best[b] = (score, torch.cat([prefix, prefix.new_tensor([tok])]))
+def beam_decoder_only(
+    model: DecoderOnlyLM,
+    ids: Tensor,
+    max_new_tokens: int,
+    *,
+    padding_mask: Tensor | None,
+    beam_size: int,
+    length_penalty: float,
+    eos_id: int | Sequence[int] | None,
+) -> Tensor:
+    """Beam search continuing left-padded prompts; see :meth:`DecoderOnlyLM.generate`.
+
+    Returns:
+        long ``[B, T0 + l]``: the prompts, then each one's best continuation (its stop id
+        kept), right-padded with ``pad_id`` (else the first stop id, else 0).
+
+    Raises:
+        TypeError / ValueError: the beam options, the prompt and its padding, the stop ids.
+    """
+    c = model.config
+    K, lp = check_beam_options(beam_size, length_penalty)
+    check_ids("ids", ids, c.vocab_size, field="vocab_size")
+    n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
+    stop = check_stop_ids(eos_id, c.vocab_size)
+    is_pad = prompt_padding(ids, padding_mask, c.pad_id)  # [B, T0] or None
+    prompts = ids.repeat_interleave(K, dim=0)  # [B*K, T0]
+    pad = (
+        torch.zeros_like(prompts, dtype=torch.bool)
+        if is_pad is None
+        else is_pad.repeat_interleave(K, dim=0)
+    )  # [B*K, T0]
+    no_pad = torch.zeros(prompts.shape[0], 1, dtype=torch.bool, device=ids.device)  # [B*K, 1]
+    cache = model.new_cache(ids.shape[1] + n)
+
+    def step(new: Tensor) -> Tensor:
+        mask = pad if new.shape[1] > 1 else no_pad
+        return model(new, mask, kv_cache=cache, logits_to_keep=1)[:, -1]  # [B*K, V]
+
+    fill = c.pad_id if c.pad_id is not None else (stop or (0,))[0]
+    return beam_decode(
+        step,
+        cache.reorder,
+        prompts,
+        beam_size=K,
+        max_new_tokens=n,
+        length_penalty=lp,
+        stop_ids=stop,
+        pad_id=fill,
+    )
 
 
 def prompt_padding(ids: Tensor, padding_mask: Tensor | None, pad_id: int | None) -> Tensor | None:
@@ -244,6 +219,8 @@ def stream_decoder_only(
     *,
     padding_mask: Tensor | None,
     generator: torch.Generator | None,
+    static_cache: bool = False,
+    compile: bool = False,
     **options: object,
 ) -> Iterator[Tensor]:
     """Check everything, then return the loop that yields each step's tokens; see
@@ -251,7 +228,8 @@ def stream_decoder_only(
 
     Args:
         model: the language model.
-        ids, max_new_tokens, padding_mask, generator: as :meth:`DecoderOnlyLM.stream`.
+        ids, max_new_tokens, padding_mask, generator, static_cache, compile: as
+            :meth:`DecoderOnlyLM.stream`.
         options: the keywords of :meth:`DecodingOptions.check` (``eos_id`` already defaulted).
 
     Returns:
@@ -265,7 +243,18 @@ def stream_decoder_only(
     n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
     opts = DecodingOptions.check(vocab_size=c.vocab_size, max_new_tokens=n, **options)
     is_pad = prompt_padding(ids, padding_mask, c.pad_id)  # [B, T0] or None
-    return _decoder_only_steps(model, ids, n, is_pad, opts, generator)
+    static = check_bool("static_cache", static_cache) | check_bool("compile", compile)
+    if static and c.positional in ("alibi", "relative"):
+        raise ValueError(
+            f"static_cache / compile support absolute and rotary positions, got "
+            f"positional={c.positional!r}"
+        )
+    decoder = (
+        StaticDecoder(model, ids.shape[0], static_capacity(ids.shape[1], n), compile=compile)
+        if static
+        else None
+    )
+    return _decoder_only_steps(model, ids, n, is_pad, opts, generator, decoder)
 
 
 def _decoder_only_steps(
@@ -275,17 +264,22 @@ def _decoder_only_steps(
     is_pad: Tensor | None,
     opts: DecodingOptions,
     generator: torch.Generator | None,
+    decoder: StaticDecoder | None,
 ) -> Iterator[Tensor]:
     c = model.config
     B = ids.shape[0]
     stop = torch.tensor(opts.stop_ids, dtype=torch.long, device=ids.device)  # [n_stop]
     fill = c.pad_id if c.pad_id is not None else (opts.stop_ids or (0,))[0]
     no_pad = torch.zeros(B, 1, dtype=torch.bool, device=ids.device)  # [B, 1]
-    cache = model.new_cache(ids.shape[1] + n)
+    T0 = ids.shape[1]
+    cache = model.new_cache(T0 + n) if decoder is None else None
     prompt_pad = torch.zeros_like(ids, dtype=torch.bool) if is_pad is None else is_pad
     seen = seen_tokens(ids, is_pad, c.vocab_size) if opts.tracks_seen else None  # [B, V]
     with torch.no_grad():
-        logits = model(ids, prompt_pad, kv_cache=cache)[:, -1]  # [B, V]
+        if decoder is None:
+            logits = model(ids, prompt_pad, kv_cache=cache, logits_to_keep=1)[:, -1]  # [B, V]
+        else:
+            logits = decoder.prefill(ids, is_pad)  # [B, V]
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)  # [B]
     for step in range(n):
         nxt = opts.choose(logits, seen, step, generator)  # [B]
@@ -298,7 +292,10 @@ def _decoder_only_steps(
         if step == n - 1 or (opts.stop_ids and bool(finished.all())):
             return
         with torch.no_grad():
-            logits = model(nxt[:, None], no_pad, kv_cache=cache)[:, -1]  # [B, V]
+            if decoder is None:
+                logits = model(nxt[:, None], no_pad, kv_cache=cache)[:, -1]  # [B, V]
+            else:
+                logits = decoder.step(nxt, T0 + step)  # [B, V]
 
 
 def generate_decoder_only(

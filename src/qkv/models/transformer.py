@@ -45,8 +45,9 @@ class Transformer(nn.Module):
     Embeddings are scaled by ``sqrt(d_model)`` (as in the paper); both stacks end with a norm,
     like ``nn.Transformer``, so its weights load one to one. Weights are initialised with
     Xavier-uniform, as ``nn.Transformer`` does. The config's ``scale_embeddings``,
-    ``embed_norm``, ``final_norm``, ``share_positions`` and ``head_bias`` change that to fit
-    BART and Marian checkpoints (see :mod:`qkv.convert.hf_seq2seq`).
+    ``embed_norm``, ``final_norm``, ``share_positions``, ``head_bias``, ``output_scale`` and
+    ``attn_scale`` change that to fit BART, Marian (:mod:`qkv.convert.hf_seq2seq`) and T5
+    (:mod:`qkv.convert.hf_t5`) checkpoints.
 
     Args:
         config: the architecture.
@@ -235,6 +236,8 @@ class Transformer(nn.Module):
             rope=pos.rope,
             kv_cache=cache,
         )  # [B, T, D]
+        if c.output_scale != 1.0:
+            h = h * c.output_scale  # [B, T, D]
         return self.lm_head(h)  # [B, T, V]
 
     def forward(

@@ -17,6 +17,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
+    from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = ["DecoderExtras", "DecoderLayerExtras", "EncoderExtras", "EncoderLayerExtras"]
 
@@ -32,7 +33,7 @@ class _SelfAttentionInputs(TypedDict, total=False):
     """
 
     rope: tuple[Tensor, Tensor] | None
-    kv_cache: KVCache | None
+    kv_cache: KVCache | StaticKVCache | None
 
 
 class EncoderExtras(_SelfAttentionInputs, total=False):

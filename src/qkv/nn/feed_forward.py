@@ -13,14 +13,17 @@ from torch import Tensor, nn
 
 from qkv.dropout import Dropout
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu"]
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh"]
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu_tanh")
+GATED: tuple[str, ...] = ("swiglu", "geglu_tanh")
+"""The activations with a gate projection (``gate``), multiplied into ``fc1``'s output."""
 
-__all__ = ["ACTIVATIONS", "Activation", "FeedForward"]
+__all__ = ["ACTIVATIONS", "GATED", "Activation", "FeedForward"]
 
 
 class FeedForward(nn.Module):
-    """``fc2(dropout(act(fc1(x))))``; SwiGLU uses ``fc2(dropout(silu(gate(x)) * fc1(x)))``.
+    """``fc2(dropout(act(fc1(x))))``; SwiGLU uses ``fc2(dropout(silu(gate(x)) * fc1(x)))``, and
+    ``"geglu_tanh"`` the same with the tanh-approximate GELU in place of SiLU.
 
     Args:
         d_model: D.
@@ -28,7 +31,8 @@ class FeedForward(nn.Module):
         activation: ``"relu"`` (the original Transformer), ``"gelu"`` (exact erf form, as in
             BERT and ``nn.Transformer(activation="gelu")``), ``"gelu_tanh"`` (the tanh
             approximation, GPT-2's ``gelu_new``), ``"silu"`` (``x * sigmoid(x)``, Marian's
-            ``swish``) or ``"swiglu"`` (LLaMA).
+            ``swish``), ``"swiglu"`` (LLaMA) or ``"geglu_tanh"`` (T5 v1.1's ``gated-gelu``,
+            whose GELU is ``gelu_new``).
         dropout: dropout on the inner activation (``nn.TransformerEncoderLayer`` puts one here).
         bias: biases on the linear layers.
         device: parameter device.
@@ -61,7 +65,7 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.gate = (
             nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
-            if activation == "swiglu"
+            if activation in GATED
             else None
         )
         self.fc2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
@@ -70,7 +74,9 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Args: x ``[B, T, D]``. Returns: ``[B, T, D]``."""
         h = self.fc1(x)  # [B, T, F]
-        if self.gate is not None:
+        if self.gate is not None and self.activation == "geglu_tanh":
+            h = F.gelu(self.gate(x), approximate="tanh") * h  # [B, T, F]
+        elif self.gate is not None:
             h = F.silu(self.gate(x)) * h  # [B, T, F]
         elif self.activation == "gelu":
             h = F.gelu(h)  # [B, T, F]

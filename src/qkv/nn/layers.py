@@ -48,7 +48,7 @@ class _Layer(nn.Module):
         num_heads: H.
         dim_feedforward: inner width of the feed-forward block.
         dropout: dropout on attention weights, the FFN activation and each residual branch.
-        activation: ``"relu"``, ``"gelu"`` or ``"swiglu"``.
+        activation: one of :data:`~qkv.nn.feed_forward.ACTIVATIONS`.
         norm_first: pre-norm (True) or post-norm (False).
         layer_norm_eps: eps of the norms.
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
@@ -58,6 +58,7 @@ class _Layer(nn.Module):
             default; qkv's is True).
         qkv_bias: biases on the attention's query/key/value projections (default ``bias``).
         out_bias: a bias on the attention's output projection (default ``bias``).
+        attn_scale: the attention's score multiplier (default ``1 / sqrt(Dh)``).
         ffn_bias: biases in the feed-forward block (default ``bias``).
         device: parameter device.
         dtype: parameter dtype.
@@ -86,6 +87,7 @@ class _Layer(nn.Module):
         qkv_bias: bool | None = None,
         out_bias: bool | None = None,
         ffn_bias: bool | None = None,
+        attn_scale: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -99,6 +101,7 @@ class _Layer(nn.Module):
             "out_bias": out_bias,
             "dropout": dropout,
             "batch_first": batch_first,
+            "scale": attn_scale,
             **factory,
         }
         self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_kw)

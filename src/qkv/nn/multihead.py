@@ -19,6 +19,7 @@ from qkv.nn.positional import apply_rotary
 
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
+    from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = ["WEIGHTLESS_BACKENDS", "MultiHeadAttention"]
 
@@ -186,6 +187,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: Hkv for grouped-query (``1``: multi-query) attention; must divide
             ``num_heads``. Default: ``num_heads`` (standard multi-head attention).
         backend: attention backend passed to :func:`qkv.attention` (see ``qkv.explain_backend``).
+        scale: score multiplier (default ``1 / sqrt(Dh)``; T5 folds it into its weights: 1.0).
 
     Attributes:
         record_weights: when True, every forward keeps its per-head weights ``[B, H, T, S]``
@@ -226,9 +228,14 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool | None = None,
         out_bias: bool | None = None,
         backend: Backend = "auto",
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
+        ):
+            raise ValueError(f"scale must be a positive float or None, got {scale!r}")
         for name, val in (
             ("embed_dim", embed_dim),
             ("num_heads", num_heads),
@@ -272,6 +279,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_b, **factory)
         self.record_weights = False
         self.backend: Backend = backend
+        self.scale = None if scale is None else float(scale)
         self.last_weights: Tensor | None = None
         self.register_load_state_dict_pre_hook(_load_torch_keys)
 
@@ -308,7 +316,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor,
         value: Tensor,
         rope: tuple[Tensor, Tensor] | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVCache | StaticKVCache | None,
         layer_idx: int,
         cross: bool,
     ) -> tuple[Tensor, Tensor]:
@@ -375,7 +383,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | StructuredMask | None = None,
         attn_bias: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | StaticKVCache | None = None,
         layer_idx: int = 0,
         cross: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
@@ -463,6 +471,7 @@ class MultiHeadAttention(nn.Module):
             mask=blocked,
             attn_bias=attn_bias,
             is_causal=is_causal,
+            scale=self.scale,
             need_weights=want_weights,
             dropout_p=self.dropout,
             training=self.training,

@@ -1,7 +1,8 @@
 """How a model turns its ``positional`` setting into inputs for its layers.
 
-Absolute encodings (sinusoidal, learned) are added to the embeddings; rotary tables and ALiBi
-biases are handed to every self-attention layer. One helper serves both models.
+Absolute encodings (sinusoidal, learned) are added to the embeddings; rotary tables, ALiBi
+biases and T5's relative position biases are handed to every self-attention layer. One helper
+serves both models.
 
 Shapes: B batch, T new tokens, S keys (cached + new), D model width, H heads, Dh head width.
 """
@@ -21,6 +22,7 @@ from qkv.nn.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
+from qkv.nn.relative_bias import RelativePositionBias
 
 __all__ = [
     "POSITIONALS",
@@ -32,8 +34,15 @@ __all__ = [
     "position_inputs",
 ]
 
-Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "none"]
-POSITIONALS: tuple[Positional, ...] = ("sinusoidal", "learned", "rotary", "alibi", "none")
+Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "relative", "none"]
+POSITIONALS: tuple[Positional, ...] = (
+    "sinusoidal",
+    "learned",
+    "rotary",
+    "alibi",
+    "relative",
+    "none",
+)
 
 
 @dataclass
@@ -52,6 +61,8 @@ def make_positional(
     *,
     rope_theta: float = 10000.0,
     rope_layout: RopeLayout = "half_split",
+    relative_buckets: int = 32,
+    relative_max_distance: int = 128,
 ) -> nn.Module | None:
     """The module for ``positional=kind``, or None for ``"none"``.
 
@@ -62,6 +73,8 @@ def make_positional(
         max_positions: the longest sequence the tables cover.
         rope_theta: the rotary wavelength base (``"rotary"`` only).
         rope_layout: which head dims rotate together (``"rotary"`` only; :data:`ROPE_LAYOUTS`).
+        relative_buckets: buckets of T5's relative position bias (``"relative"`` only).
+        relative_max_distance: its longest bucketed distance (``"relative"`` only).
 
     Returns:
         The positional module, or None.
@@ -79,6 +92,8 @@ def make_positional(
         )
     if kind == "alibi":
         return ALiBi(num_heads)
+    if kind == "relative":
+        return RelativePositionBias(num_heads, relative_buckets, relative_max_distance)
     if kind == "none":
         return None
     raise ValueError(f"positional must be one of {POSITIONALS}, got {kind!r}")
@@ -100,8 +115,9 @@ def position_inputs(
         offset: tokens already in the KV cache (0 without one).
         causal: the self-attention is causal (changes the ALiBi bias).
         positions: long ``[B, T]``, each token's own position (a left-padded row's first real
-            token is at 0), or None for ``offset + column``. ALiBi ignores it: its bias depends
-            only on distances, which left padding (blocked keys, contiguous real tokens) keeps.
+            token is at 0), or None for ``offset + column``. ALiBi and T5's relative bias ignore
+            it: they depend only on distances, which left padding (blocked keys, contiguous real
+            tokens) keeps.
 
     Returns:
         ``(x [B, T, D], LayerPositions)``; rotary tables are ``[B, 1, T, *]`` with
@@ -112,6 +128,6 @@ def position_inputs(
         return positional(x, offset, positions), LayerPositions()
     if isinstance(positional, RotaryEmbedding):
         return x, LayerPositions(rope=positional(T, offset, positions))
-    if isinstance(positional, ALiBi):
+    if isinstance(positional, ALiBi | RelativePositionBias):
         return x, LayerPositions(attn_bias=positional(T, offset + T, causal=causal))  # [1, H, T, S]
     return x, LayerPositions()

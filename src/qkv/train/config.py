@@ -29,7 +29,7 @@ __all__ = [
 TaskName = Literal["copy", "reverse", "sort", "add", "text"]
 Schedule = Literal["cosine", "inverse_sqrt", "constant"]
 # The model's positional encodings (qkv.models.config.POSITIONALS; a test keeps the two equal).
-Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "none"]
+Positional = Literal["sinusoidal", "learned", "rotary", "alibi", "relative", "none"]
 TASKS: tuple[str, ...] = get_args(TaskName)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 POSITIONALS: tuple[str, ...] = get_args(Positional)
