@@ -34,6 +34,7 @@ __all__ = [
     "Header",
     "Rule",
     "check_against",
+    "check_layers",
     "decoder_config",
     "expand_rules",
     "from_qkv",
@@ -42,6 +43,7 @@ __all__ = [
     "listing",
     "read_config",
     "read_headers",
+    "read_json",
     "read_tensors",
     "require_keys",
     "to_qkv",
@@ -129,16 +131,25 @@ def inside(root: Path, name: str, what: str) -> Path:
     return root / path
 
 
-def _read_json(path: Path, root: Path) -> Any:
-    """The parsed JSON of ``path`` (a file of ``root``), within :data:`MAX_JSON_BYTES`.
+def read_json(path: Path, root: Path, *, limit: int = MAX_JSON_BYTES) -> Any:
+    """The parsed JSON of ``path`` (a file of ``root``), within ``limit`` bytes.
+
+    Args:
+        path: a JSON file directly in ``root`` (``config.json``, the index,
+            ``generation_config.json``).
+        root: the checkpoint directory, which ``path`` must resolve inside (:func:`inside`).
+        limit: the largest size read.
+
+    Returns:
+        The parsed value (any JSON type).
 
     Raises:
         ValueError: outside ``root``, too large, not UTF-8, not JSON, or nested too deep.
     """
     inside(root, path.name, path.name)
     size = path.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{path} is {size} bytes, more than the {MAX_JSON_BYTES} read")
+    if size > limit:
+        raise ValueError(f"{path} is {size} bytes, more than the {limit} read")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except RecursionError:
@@ -158,7 +169,7 @@ def read_config(root: Path) -> dict[str, Any]:
     path = root / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{str(root)!r} has no config.json (not a save_pretrained dir)")
-    hf = _read_json(path, root)
+    hf = read_json(path, root)
     if not isinstance(hf, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
     return hf
@@ -229,7 +240,7 @@ def weight_files(root: Path) -> list[Path]:
 
 def _shards(root: Path, index: Path) -> list[Path]:
     """The shard files an index names, each checked to lie inside ``root``."""
-    parsed = _read_json(index, root)
+    parsed = read_json(index, root)
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
     if not isinstance(weight_map, dict):
         raise ValueError(
@@ -302,6 +313,29 @@ def held_layers(keys: Iterable[str], rules: Iterable[Rule]) -> set[int]:
         return set()
     pattern = re.compile("^(?:" + "|".join(map(re.escape, prefixes)) + r")(\d+)\.")
     return {int(m[1]) for k in keys if (m := pattern.match(k))}
+
+
+def check_layers(
+    source: str, key: str, count: int, keys: Iterable[str], rules: Iterable[Rule]
+) -> None:
+    """Refuse a layer count beyond the layers the weights hold, before anything is built.
+
+    A ``config.json`` claiming 20,000 layers over a 2-layer checkpoint took 20 s to build on the
+    meta device before its keys were found missing; the headers answer at once.
+
+    Args:
+        source: ``config.json``'s path, for the message.
+        key: the config key of the count (e.g. ``"num_hidden_layers"``).
+        count: its value, already read with :func:`qkv.convert.hf_values.hf_int`.
+        keys: the checkpoint's keys (as ``rules`` name them).
+        rules: the layer templates (``{}``) of one stack, not expanded.
+
+    Raises:
+        ValueError: ``count`` exceeds the layers held, naming ``key``, ``count`` and that number.
+    """
+    held = held_layers(keys, rules)
+    if count > len(held):
+        raise ValueError(f"{source}: {key}={count} but the checkpoint holds {len(held)} layer(s)")
 
 
 def _hf_shape(rule: Rule, ours: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:

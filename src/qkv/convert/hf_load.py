@@ -23,8 +23,8 @@ import qkv.convert.hf_t5 as hf_t5
 from qkv.convert.hf_bert import load_bert
 from qkv.convert.hf_files import (
     check_against,
+    check_layers,
     expand_rules,
-    held_layers,
     read_config,
     read_headers,
     read_tensors,
@@ -44,17 +44,12 @@ DECODERS: dict[str, ModuleType] = {t: m for m in (hf_llama, hf_gpt2) for t in m.
 
 def _load_decoder(root: Path, kind: str) -> DecoderOnlyLM:
     spec = DECODERS[kind]
-    config = spec.config_from_hf(read_config(root), source=str(root / "config.json"))
+    source = str(root / "config.json")
+    config = spec.config_from_hf(read_config(root), source=source)
     headers = read_headers(weight_files(root))
     original = {k.removeprefix(spec.PREFIX): k for k in headers}
-    # Layers before anything is built: a config.json claiming 20,000 layers over a 2-layer
-    # checkpoint took 20 s to build on the meta device before its keys were found missing.
-    held = held_layers(original, spec.rules(config))
-    if config.num_layers > len(held):
-        raise ValueError(
-            f"{root / 'config.json'}: {spec.LAYERS_KEY}={config.num_layers} but the checkpoint "
-            f"holds {len(held)} layer(s)"
-        )
+    # layers before anything is built (see check_layers)
+    check_layers(source, spec.LAYERS_KEY, config.num_layers, original, spec.rules(config))
     rules = expand_rules(spec.rules(config), config.num_layers)
     ignored = dict(spec.IGNORED)
     if config.tie_embeddings:

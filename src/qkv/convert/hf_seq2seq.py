@@ -34,23 +34,25 @@ from qkv.convert.hf_files import (
     Header,
     Rule,
     check_against,
+    check_layers,
     expand_rules,
     from_qkv,
     read_config,
     read_headers,
     read_tensors,
-    require_keys,
     to_qkv,
     weight_files,
     write_dir,
 )
 from qkv.convert.hf_tokens import forced_token_ids, token_id
+from qkv.convert.hf_values import hf_bool, hf_int, hf_str
 from qkv.models.config import TransformerConfig
 from qkv.models.registry import load_weights
 from qkv.models.transformer import Transformer
 from qkv.nn.feed_forward import Activation
 
 __all__ = [
+    "MARIAN_TABLE",
     "MODEL_TYPES",
     "PREFIX",
     "config_from_hf",
@@ -64,6 +66,9 @@ MODEL_TYPES: tuple[str, ...] = ("bart", "marian")
 PREFIX = "model."
 BART_POSITION_OFFSET = 2
 """BART's position ``p`` is row ``p + 2`` of its tables (rows 0 and 1 are never read)."""
+MARIAN_TABLE = 2**27
+"""The most elements (positions x width) of Marian's sinusoid table, which is computed (in
+float64), not read: 512 MiB in float32; a released Marian is 512 x 512."""
 
 _ACTIVATIONS: dict[str, Activation] = {
     "gelu": "gelu",
@@ -101,13 +106,19 @@ def _layer_rules(stack: str, sublayers: list[tuple[str, str, str]]) -> list[Rule
     return out
 
 
-def rules(c: TransformerConfig) -> list[Rule]:
-    """The key rules (HF keys without ``PREFIX``) of the layers and embedding norms, expanded;
-    the shared embedding, the positions and the head are mapped by hand (see the module)."""
+def _templates() -> tuple[list[Rule], list[Rule]]:
+    """The encoder's and the decoder's layer rules, ``{}`` not expanded."""
     enc = _layer_rules("encoder", [("self_attn", "self_attn", "norm1")])
     dec = _layer_rules(
         "decoder", [("self_attn", "self_attn", "norm1"), ("encoder_attn", "cross_attn", "norm2")]
     )
+    return enc, dec
+
+
+def rules(c: TransformerConfig) -> list[Rule]:
+    """The key rules (HF keys without ``PREFIX``) of the layers and embedding norms, expanded;
+    the shared embedding, the positions and the head are mapped by hand (see the module)."""
+    enc, dec = _templates()
     out = expand_rules(enc, c.num_encoder_layers) + expand_rules(dec, c.num_decoder_layers)
     if c.embed_norm:
         for stack, ours in (("encoder", "src_embed_norm"), ("decoder", "tgt_embed_norm")):
@@ -119,36 +130,63 @@ def rules(c: TransformerConfig) -> list[Rule]:
 def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> TransformerConfig:
     """A BART or Marian ``config.json`` (parsed) as a :class:`TransformerConfig`.
 
+    Every value is read with :mod:`qkv.convert.hf_values`: sizes are ints in
+    ``[1, MAX_SIZE]``, flags ``true`` / ``false``, names strings.
+
     Raises:
         ValueError: an option qkv does not build (encoder and decoder of different widths or
-            head counts, pre-norm layers, separate source and target vocabularies, an unknown
-            activation), a missing size, or a value the config rejects; each named.
+            head counts, heads that do not divide ``d_model``, pre-norm layers, separate source
+            and target vocabularies, an unknown activation), a missing size, a value of the
+            wrong type or beyond its bounds (Marian: a sinusoid table over
+            :data:`MARIAN_TABLE` elements), or a value the config rejects; each named with its
+            key.
     """
     kind = hf.get("model_type")
-    require_keys(
-        hf,
-        ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads"),
-        source,
-    )
+    V = hf_int(hf, "vocab_size", source)
+    D = hf_int(hf, "d_model", source)
+    assert D is not None  # required
+    heads = hf_int(hf, "encoder_attention_heads", source)
+    ffn = hf_int(hf, "encoder_ffn_dim", source, default=4 * D)
+    sizes = {
+        "encoder_attention_heads": heads,
+        "decoder_attention_heads": hf_int(hf, "decoder_attention_heads", source, default=heads),
+        "encoder_ffn_dim": ffn,
+        "decoder_ffn_dim": hf_int(hf, "decoder_ffn_dim", source, default=ffn),
+    }
+    encoder_layers = hf_int(hf, "encoder_layers", source)
+    decoder_layers = hf_int(hf, "decoder_layers", source)
+    positions = hf_int(hf, "max_position_embeddings", source, default=1024)
+    # required or defaulted, so ints
+    assert V and heads and ffn and encoder_layers and decoder_layers and positions
     problems = []
     for a, b in (
         ("encoder_attention_heads", "decoder_attention_heads"),
         ("encoder_ffn_dim", "decoder_ffn_dim"),
     ):
-        if hf.get(b, hf.get(a)) != hf.get(a):
-            problems.append(f"{a}={hf.get(a)} != {b}={hf.get(b)} (qkv's stacks share them)")
-    act = hf.get("activation_function", "gelu")
+        if sizes[a] != sizes[b]:
+            problems.append(f"{a}={sizes[a]} != {b}={sizes[b]} (qkv's stacks share them)")
+    if D % heads:
+        problems.append(
+            f"d_model={D} is not divisible by encoder_attention_heads={heads} (qkv's heads "
+            "split the width)"
+        )
+    act = hf_str(hf, "activation_function", source, default="gelu")
     if act not in _ACTIVATIONS:
         problems.append(f"activation_function={act!r} (known: {sorted(_ACTIVATIONS)})")
     for flag in ("normalize_before", "add_final_layer_norm"):
-        if hf.get(flag):
+        if hf_bool(hf, flag, source, default=False):
             problems.append(f"{flag}=true (pre-norm, mBART-style, is not mapped)")
-    V = hf["vocab_size"]
     if kind == "marian":
-        if not hf.get("share_encoder_decoder_embeddings", True):
+        if positions * D > MARIAN_TABLE:
+            raise ValueError(
+                f"{source}: max_position_embeddings={positions} * d_model={D} is more than "
+                f"{MARIAN_TABLE}, the largest sinusoid table qkv computes"
+            )
+        if not hf_bool(hf, "share_encoder_decoder_embeddings", source, default=True):
             problems.append("share_encoder_decoder_embeddings=false")
-        if hf.get("decoder_vocab_size") not in (None, V):
-            problems.append(f"decoder_vocab_size={hf['decoder_vocab_size']} != vocab_size={V}")
+        target_vocab = hf_int(hf, "decoder_vocab_size", source, default=V, nullable=True)
+        if target_vocab != V:
+            problems.append(f"decoder_vocab_size={target_vocab} != vocab_size={V}")
     if problems:
         raise ValueError(f"{source}: unsupported {kind} options: " + "; ".join(problems))
     pad = token_id(hf, "pad_token_id", source)
@@ -164,23 +202,23 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Tra
         return TransformerConfig(
             V,
             V,
-            d_model=hf["d_model"],
-            num_heads=hf["encoder_attention_heads"],
-            dim_feedforward=hf.get("encoder_ffn_dim", 4 * hf["d_model"]),
-            num_encoder_layers=hf["encoder_layers"],
-            num_decoder_layers=hf["decoder_layers"],
+            d_model=D,
+            num_heads=heads,
+            dim_feedforward=ffn,
+            num_encoder_layers=encoder_layers,
+            num_decoder_layers=decoder_layers,
             dropout=0.0,
             activation=_ACTIVATIONS[act],
             norm_first=False,
             norm="layer",
             layer_norm_eps=1e-5,
             positional="learned",
-            max_positions=hf.get("max_position_embeddings", 1024),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            max_positions=positions,
+            tie_embeddings=hf_bool(hf, "tie_word_embeddings", source, default=True),
             pad_id=pad,
             bos_id=start,
             eos_id=eos,
-            scale_embeddings=bool(hf.get("scale_embedding", False)),
+            scale_embeddings=hf_bool(hf, "scale_embedding", source, default=False),
             embed_norm=kind == "bart",
             final_norm=False,
             share_positions=kind != "bart",
@@ -236,7 +274,8 @@ def load_seq2seq(root: Path, kind: str) -> Transformer:
     """Read a BART or Marian ``save_pretrained`` directory into a :class:`Transformer`.
 
     Raises:
-        ValueError: see :func:`config_from_hf`; unknown, missing or mis-shaped keys, named.
+        ValueError: see :func:`config_from_hf`; a layer count beyond the layers the weights
+            hold (checked before anything is built); unknown, missing or mis-shaped keys, named.
     """
     source = str(root / "config.json")
     hf = read_config(root)
@@ -244,12 +283,19 @@ def load_seq2seq(root: Path, kind: str) -> Transformer:
     c = replace(
         config_from_hf(hf, source=source), forced_bos_id=forced_bos, forced_eos_id=forced_eos
     )
-    layer_rules = rules(c)
     raw = read_headers(weight_files(root))
     # BartForConditionalGeneration / MarianMTModel prefix the body with "model."; the bare
     # BartModel / MarianModel do not; the head and its bias have no prefix
     headers = {k.removeprefix(PREFIX): h for k, h in raw.items()}
     original = {k.removeprefix(PREFIX): k for k in raw}
+    for key, count, templates in zip(
+        ("encoder_layers", "decoder_layers"),
+        (c.num_encoder_layers, c.num_decoder_layers),
+        _templates(),
+        strict=True,
+    ):
+        check_layers(source, key, count, headers, templates)  # before anything is built
+    layer_rules = rules(c)
     special = _check_special(kind, c, headers, str(root))
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(c).state_dict().items()}

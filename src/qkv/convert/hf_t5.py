@@ -25,15 +25,16 @@ import torch
 from qkv.convert.hf_files import (
     Rule,
     check_against,
+    check_layers,
     expand_rules,
     read_config,
     read_headers,
     read_tensors,
-    require_keys,
     to_qkv,
     weight_files,
 )
 from qkv.convert.hf_tokens import forced_token_ids, token_id
+from qkv.convert.hf_values import hf_bool, hf_float, hf_int, hf_str
 from qkv.models.config import TransformerConfig
 from qkv.models.registry import load_weights
 from qkv.models.transformer import Transformer
@@ -75,13 +76,19 @@ def _block_rules(stack: str, sublayers: list[tuple[str, str]], gated: bool) -> l
     return out
 
 
-def rules(c: TransformerConfig) -> list[Rule]:
-    """Every rule but the shared embedding and the head, expanded over the layers."""
+def _templates(c: TransformerConfig) -> tuple[list[Rule], list[Rule]]:
+    """The encoder's and the decoder's block rules, ``{}`` not expanded."""
     gated = c.activation in ("geglu_tanh", "swiglu")
     enc = _block_rules("encoder", [("SelfAttention", "self_attn")], gated)
     dec = _block_rules(
         "decoder", [("SelfAttention", "self_attn"), ("EncDecAttention", "cross_attn")], gated
     )
+    return enc, dec
+
+
+def rules(c: TransformerConfig) -> list[Rule]:
+    """Every rule but the shared embedding and the head, expanded over the layers."""
+    enc, dec = _templates(c)
     out = expand_rules(enc, c.num_encoder_layers) + expand_rules(dec, c.num_decoder_layers)
     table = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     out += [
@@ -101,22 +108,38 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Tra
     scaled by ``d_model ** -0.5`` when ``scale_decoder_outputs`` says so (older configs:
     unless ``tie_word_embeddings`` is false), as ``transformers`` does.
 
+    Every value is read with :mod:`qkv.convert.hf_values`: sizes are ints in
+    ``[1, MAX_SIZE]``, flags ``true`` / ``false``, names strings.
+
     Raises:
-        ValueError: a missing size; ``num_heads * d_kv != d_model`` (qkv's heads split the model
-            width); a ``feed_forward_proj`` qkv does not build; a missing token id; a value the
-            config rejects. Each named.
+        ValueError: a missing size, a value of the wrong type or beyond its bounds;
+            ``num_heads * d_kv != d_model`` (qkv's heads split the model width); a
+            ``feed_forward_proj`` qkv does not build; a missing token id; a value the config
+            rejects. Each named with its key.
     """
-    require_keys(hf, ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads"), source)
+    V = hf_int(hf, "vocab_size", source)
+    D = hf_int(hf, "d_model", source)
+    H = hf_int(hf, "num_heads", source)
+    Dh = hf_int(hf, "d_kv", source)
+    ffn = hf_int(hf, "d_ff", source)
+    layers = hf_int(hf, "num_layers", source)
+    decoder_layers = hf_int(hf, "num_decoder_layers", source, default=layers, nullable=True)
+    assert V and D and H and Dh and ffn and layers and decoder_layers  # required / defaulted
     problems = []
-    D, H, Dh = hf["d_model"], hf["num_heads"], hf["d_kv"]
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (D, H, Dh)) or H * Dh != D:
-        problems.append(f"num_heads={H!r} * d_kv={Dh!r} != d_model={D!r} (qkv's heads split D)")
-    proj = hf.get("feed_forward_proj", "relu")
+    if H * Dh != D:
+        problems.append(f"num_heads={H} * d_kv={Dh} != d_model={D} (qkv's heads split D)")
+    proj = hf_str(hf, "feed_forward_proj", source, default="relu")
     if proj not in _FEED_FORWARD:
         problems.append(f"feed_forward_proj={proj!r} (known: {sorted(_FEED_FORWARD)})")
     if problems:
         raise ValueError(f"{source}: unsupported t5 options: " + "; ".join(problems))
-    V = hf["vocab_size"]
+    eps = hf_float(hf, "layer_norm_epsilon", source, default=1e-6)
+    buckets = hf_int(hf, "relative_attention_num_buckets", source, default=32)
+    distance = hf_int(hf, "relative_attention_max_distance", source, default=128)
+    positions = hf_int(hf, "n_positions", source, default=512)
+    assert buckets and distance and positions  # defaulted
+    tied = hf_bool(hf, "tie_word_embeddings", source, default=True)
+    scale = hf_bool(hf, "scale_decoder_outputs", source, default=tied)
     pad = token_id(hf, "pad_token_id", source)
     eos = token_id(hf, "eos_token_id", source)
     has_start = "decoder_start_token_id" in hf
@@ -127,25 +150,24 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Tra
             f"{source}: needs {', '.join(m + '_token_id' for m in missing)} in [0, {V})"
         )
     assert pad is not None and eos is not None and start is not None
-    scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
     try:
         return TransformerConfig(
             V,
             V,
             d_model=D,
             num_heads=H,
-            dim_feedforward=hf["d_ff"],
-            num_encoder_layers=hf["num_layers"],
-            num_decoder_layers=hf.get("num_decoder_layers") or hf["num_layers"],
+            dim_feedforward=ffn,
+            num_encoder_layers=layers,
+            num_decoder_layers=decoder_layers,
             dropout=0.0,
             activation=_FEED_FORWARD[proj],
             norm_first=True,
             norm="rms",
-            layer_norm_eps=hf.get("layer_norm_epsilon", 1e-6),
+            layer_norm_eps=eps,
             positional="relative",
-            relative_buckets=hf.get("relative_attention_num_buckets", 32),
-            relative_max_distance=hf.get("relative_attention_max_distance", 128),
-            max_positions=hf.get("n_positions", 512),
+            relative_buckets=buckets,
+            relative_max_distance=distance,
+            max_positions=positions,
             tie_embeddings=True,
             qkv_bias=False,
             out_bias=False,
@@ -174,13 +196,22 @@ def load_t5(root: Path) -> Transformer:
     :func:`~qkv.convert.hf_tokens.forced_token_ids` reads them.
 
     Raises:
-        ValueError: see :func:`config_from_hf`; unknown, missing or mis-shaped keys, named.
+        ValueError: see :func:`config_from_hf`; a layer count beyond the layers the weights
+            hold (checked before anything is built); unknown, missing or mis-shaped keys, named.
     """
     source = str(root / "config.json")
     hf = read_config(root)
     c = config_from_hf(hf, source=source)
     headers = read_headers(weight_files(root))
-    untied = "lm_head.weight" in headers and hf.get("tie_word_embeddings") is False
+    for key, count, templates in zip(
+        ("num_layers", "num_decoder_layers"),
+        (c.num_encoder_layers, c.num_decoder_layers),
+        _templates(c),
+        strict=True,
+    ):
+        check_layers(source, key, count, headers, templates)  # before anything is built
+    tied = hf_bool(hf, "tie_word_embeddings", source, default=True)
+    untied = "lm_head.weight" in headers and not tied
     forced_bos, forced_eos = forced_token_ids(root, hf, source)
     c = replace(c, tie_embeddings=not untied, forced_bos_id=forced_bos, forced_eos_id=forced_eos)
     layer_rules = rules(c)

@@ -11,10 +11,11 @@ one, else from ``config.json``; :func:`forced_token_ids` does the same.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from qkv.convert.hf_files import read_json
 
 __all__ = ["GENERATION_FILE", "forced_token_ids", "token_id"]
 
@@ -71,18 +72,13 @@ def forced_token_ids(
         The two ids, each None when absent.
 
     Raises:
-        ValueError: a ``generation_config.json`` that is too large, not JSON, or not an object;
-            an id that is not an int.
+        ValueError: a ``generation_config.json`` that resolves outside ``root``, is too large,
+            not JSON (or nested too deep), or not an object; an id that is not an int.
     """
     path = root / GENERATION_FILE
     settings: Mapping[str, Any] = hf
     if path.is_file():
-        if path.stat().st_size > _MAX_GENERATION_BYTES:
-            raise ValueError(f"{path} is larger than {_MAX_GENERATION_BYTES} bytes")
-        try:
-            parsed = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        parsed = read_json(path, root, limit=_MAX_GENERATION_BYTES)
         if not isinstance(parsed, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(parsed).__name__}")
         settings = {**parsed, "vocab_size": hf.get("vocab_size")}
