@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from qkv.backends.shared import share_plans
 from qkv.dropout import Dropout
 from qkv.models.config import DecoderOnlyConfig
 from qkv.models.generate import generate_decoder_only, stream_decoder_only
@@ -134,8 +135,9 @@ class DecoderOnlyLM(nn.Module):
                 ``pad_id`` is set, else no padding. Padding keys stay blocked in the cache.
             kv_cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
             cache: deprecated spelling of ``kv_cache`` (one release).
-            validate: check the id values (a host sync per call); False, or tracing /
-                compiling, skips it (see :func:`qkv.checks.checks_values`).
+            validate: check the id values (a host sync per call) and each attention output
+                for a float32 overflow (see :func:`qkv.backends.shared.share_plans`); False,
+                or tracing / compiling, skips both (see :func:`qkv.checks.checks_values`).
 
         Returns:
             logits ``[B, T, V]``.
@@ -153,9 +155,10 @@ class DecoderOnlyLM(nn.Module):
         x = self.embed(ids)  # [B, T, D]
         x, pos = position_inputs(self.positional, x, offset, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]
-        x = self.blocks(
-            x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
-        )  # [B, T, D]
+        with share_plans(validate=validate):  # the layers share one attention plan
+            x = self.blocks(
+                x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
+            )  # [B, T, D]
         return self.lm_head(x)  # [B, T, V]
 
     @torch.no_grad()
