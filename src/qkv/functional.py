@@ -411,7 +411,7 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
             bias, dropout or a CPU gradient).
     """
     call, given = _bind(args, kwargs)
-    return make_plan(call) if given is None else given
+    return make_plan(call, fit_of(call)) if given is None else given
 
 
 @_takes_arguments_of(attention)

@@ -89,12 +89,12 @@ def blockwise_trains_faster(
     B, H, T, _ = query.shape
     S = key.shape[2]
     pairs = T * S
-    # Shape comparisons last: under torch.export / compile the first test is False, and a
-    # comparison of symbolic lengths would add a guard on them.
+    # Shape comparisons last: under torch.export / compile exact_backward_possible is False,
+    # and a comparison of symbolic lengths would add a guard on them.
     return (
-        exact_backward_possible(query.device, dropout_p, training)
-        and torch.is_grad_enabled()
+        torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        and exact_backward_possible(query.device, dropout_p, training)
         and pairs >= current_policy().exact_grad_blockwise_min_pairs
         and exact_backward_size_ok(B, H, T, S, query.element_size())
     )
@@ -191,10 +191,10 @@ def _exact(
     off, hence inside ``_ExactBackward.forward`` itself)."""
     B, H, T, _ = query.shape
     return (
-        exact_backward_size_ok(B, H, T, key.shape[2], query.element_size())
-        and exact_backward_possible(query.device, dropout_p, training)
-        and torch.is_grad_enabled()
+        torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        and exact_backward_possible(query.device, dropout_p, training)
+        and exact_backward_size_ok(B, H, T, key.shape[2], query.element_size())
     )
 
 

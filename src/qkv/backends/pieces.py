@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from qkv.backends.policy import current_policy
+from qkv.backends.policy import Policy, current_policy
 from qkv.backends.reads import key_limits, runs
 from qkv.masks import StructuredMask
 from qkv.masks.rules import AnyOf, Dense, Documents, Padding, SlidingWindow
@@ -293,7 +293,7 @@ def reduce_mask(
     assert parts.padding is not None and parts.windows is not None
     policy = current_policy()
     limits, holes = key_limits(parts.padding, B, S)
-    by_pieces = _pieces_by_sample(parts, B, T, S, limits, holes)
+    by_pieces = _pieces_by_sample(parts, B, T, S, limits, holes, policy)
     if by_pieces is None:
         return None
     groups = tuple(Group(tuple(bs), ps) for ps, bs in by_pieces.items())
@@ -318,13 +318,18 @@ def reduce_mask(
 
 
 def _pieces_by_sample(
-    parts: _Parts, B: int, T: int, S: int, limits: list[int], holes: list[bool]
+    parts: _Parts,
+    B: int,
+    T: int,
+    S: int,
+    limits: list[int],
+    holes: list[bool],
+    policy: Policy,
 ) -> dict[tuple[Piece, ...], list[int]] | None:
     """Each distinct list of pieces and the samples that share it, or None when a sample's
     documents are not contiguous runs."""
     by_pieces: dict[tuple[Piece, ...], list[int]] = {}
     lengths = len(set(limits))
-    policy = current_policy()
     if (
         parts.padding
         and not parts.documents

@@ -37,16 +37,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from qkv.backends.call import Call, Fit, fit_of
+from qkv.backends.call import Call, Fit
 from qkv.backends.flex import flex_refusal
 from qkv.backends.fused import blockwise_trains_faster, uses_sdpa_is_causal
 from qkv.backends.pieces import Reduction, reduction_of
-from qkv.backends.policy import Policy, current_policy
+from qkv.backends.policy import POLICY, Policy, current_policy
 from qkv.backends.tiles import TilePlan, dense_tile_skip, plan_tiles, resolve_blocks
 from qkv.masks import StructuredMask
 from qkv.masks.rules import AnyOf, Causal, Dense, Documents, MaskMod, Padding, SlidingWindow
@@ -79,6 +80,9 @@ Rule = Literal[
 """The rules a :class:`Reason` names: the first reason of a plan says why its backend was
 chosen; the ones after it how that backend runs the call (``upcast``, ``mask-materialized``,
 ...). :func:`qkv.backends.explain.explain` renders each as a sentence."""
+
+
+_NO_FACTS: Mapping[str, object] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,8 @@ class Plan:
             blockwise cuts them as it runs (a ``mask_mod`` or tensor part, or a forced call).
         mask: for blockwise and flex, the structured mask they run (the call's ``is_causal``
             joined, a tensor wrapped in :class:`~qkv.masks.Dense`).
-        fit: what it was made for (see :class:`Fit`).
+        fit: what it was made for (see :class:`~qkv.backends.call.Fit`); None for a plan
+            made inside one attention call, which runs no other.
         policy: the policy it was made under; it runs under it too.
     """
 
@@ -125,7 +130,7 @@ class Plan:
     tiles: TilePlan | None = dataclasses.field(default=None, compare=False)
     mask: StructuredMask | None = dataclasses.field(default=None, compare=False)
     fit: Fit | None = dataclasses.field(default=None, compare=False)
-    policy: Policy = dataclasses.field(default_factory=current_policy, compare=False)
+    policy: Policy = dataclasses.field(default=POLICY, compare=False)
     mask_ref: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -155,12 +160,12 @@ def _notes(call: Call, structured: bool) -> list[Reason]:
     T, S = call.query.shape[2], call.key.shape[2]
     notes = []
     if structured:
-        notes.append(Reason("mask-materialized"))
+        notes.append(_PLAIN["mask-materialized"])
     if call.is_causal and T != S:
         notes.append(Reason("causal-materialized", facts={"T": T, "S": S}))
     notes += _upcast(call)
     if call.mask is not None or call.is_causal:
-        notes.append(Reason("dead-rows-zeroed"))
+        notes.append(_PLAIN["dead-rows-zeroed"])
     return notes + _grad_note(call)
 
 
@@ -173,7 +178,7 @@ def _upcast(call: Call) -> list[Reason]:
 
 def _grad_note(call: Call) -> list[Reason]:
     cpu = call.query.device.type == "cpu"
-    if cpu and current_policy().allow_sdpa_backward and call.needs_grad:
+    if cpu and call.needs_grad and current_policy().allow_sdpa_backward:
         return [Reason("sdpa-backward", policy_field="allow_sdpa_backward")]
     return []
 
@@ -184,26 +189,52 @@ def _compile_cost(call: Call) -> Reason:
     return Reason("compile-cost", facts={"signature": sig})
 
 
+_PLAIN: dict[str, Reason] = {
+    rule: Reason(rule)
+    for rule in (
+        "no-structured-mask",
+        "tensor-mask",
+        "sdpa-is-causal",
+        "dead-rows-zeroed",
+        "mask-materialized",
+        "need-weights",
+        "no-band-with-gradient",
+    )
+}
+"""The reasons that carry no measurement, made once (they are values: shared safely)."""
+
+
+class _Choice(NamedTuple):
+    """What the steps decide; :func:`make_plan` makes it a :class:`Plan` (one construction)."""
+
+    backend: str
+    reasons: tuple[Reason, ...]
+    pieces: Reduction | None = None
+    tiles: TilePlan | None = None
+    mask: StructuredMask | None = None
+
+
 def make_plan(call: Call, fit: Fit | None = None) -> Plan:
     """Plan one validated call (see the module docstring for the steps).
 
     Args:
         call: the call.
-        fit: the call's :func:`fit_of`, when the caller has it already.
+        fit: the call's :func:`~qkv.backends.call.fit_of`, which a plan needs to run another
+            call (``attention(plan=)``); None for a plan only this call runs.
 
     Returns:
-        The plan, its :attr:`Plan.fit` the call's.
+        The plan.
 
     Raises:
         ValueError: weights requested from a backend that cannot return them, or flex asked
             for a call it cannot run.
     """
-    plan = _choose(call, current_policy())
-    fit = fit_of(call) if fit is None else fit
-    return dataclasses.replace(plan, fit=fit, mask_ref=call.mask)
+    policy = current_policy()
+    c = _choose(call, policy)
+    return Plan(c.backend, c.reasons, c.pieces, c.tiles, c.mask, fit, policy, call.mask)
 
 
-def _choose(call: Call, policy: Policy) -> Plan:
+def _choose(call: Call, policy: Policy) -> _Choice:
     requested = call.backend
     if requested in ("fused", "blockwise", "flex") and call.need_weights:
         raise ValueError(
@@ -212,7 +243,7 @@ def _choose(call: Call, policy: Policy) -> Plan:
         )
     asked = [Reason("requested", facts={"backend": requested})] if requested != "auto" else []
     if requested == "reference":
-        return Plan("reference", tuple(asked))
+        return _Choice("reference", tuple(asked))
     run_mask = blockwise_mask(call.mask, call.is_causal)
     if requested == "blockwise":
         return _blockwise_plan(call, run_mask, tuple(asked))
@@ -220,17 +251,21 @@ def _choose(call: Call, policy: Policy) -> Plan:
         refusal = _flex_refusal(call)
         if refusal is not None:
             raise ValueError(f"backend='flex' cannot run this call: {refusal}")
-        return Plan("flex", (*asked, _compile_cost(call)), mask=run_mask)
+        return _Choice("flex", (*asked, _compile_cost(call)), mask=run_mask)
     if call.need_weights:
-        return Plan("reference", (Reason("need-weights"),))
+        return _Choice("reference", (_PLAIN["need-weights"],))
     grid = (*call.query.shape[:3], call.key.shape[2])
     strict = requested == "auto"
     red = reduction_of(call.mask, run_mask, grid, strict=strict, band=not call.needs_grad)
     if red is not None:
         how = (_reduced_reason(call, red), *_upcast(call), *_grad_note(call))
-        return Plan("fused", (*asked, *how), red)
-    if requested == "auto" and blockwise_trains_faster(
-        call.query, call.key, call.value, call.attn_bias, call.dropout_p, call.training
+        return _Choice("fused", (*asked, *how), red)
+    if (
+        requested == "auto"
+        and call.needs_grad
+        and blockwise_trains_faster(
+            call.query, call.key, call.value, call.attn_bias, call.dropout_p, call.training
+        )
     ):
         pairs = call.query.shape[2] * call.key.shape[2]
         why = Reason(
@@ -243,7 +278,7 @@ def _choose(call: Call, policy: Policy) -> Plan:
         return _blockwise_plan(call, run_mask, (why,))
     structured = isinstance(call.mask, StructuredMask)
     if requested == "fused":
-        return Plan("fused", (*asked, *_notes(call, structured)))
+        return _Choice("fused", (*asked, *_notes(call, structured)))
     T, S = call.query.shape[2], call.key.shape[2]
     if not (structured or (call.is_causal and T != S)):
         return _dense_plan(call, run_mask, policy)
@@ -256,7 +291,7 @@ def _choose(call: Call, policy: Policy) -> Plan:
             "allow_compile",
             {"mask": run_mask},
         )
-        return Plan("flex", (why, _compile_cost(call)), mask=run_mask)
+        return _Choice("flex", (why, _compile_cost(call)), mask=run_mask)
     return _tile_plan(call, run_mask, policy)
 
 
@@ -295,7 +330,7 @@ def _reduced_reason(call: Call, red: Reduction) -> Reason:
     return Reason("reduced", "share of pairs computed", share, facts=facts)
 
 
-def _dense_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> Plan:
+def _dense_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> _Choice:
     """Step 5 for a call with no structured mask: a block-sparse mask tensor goes blockwise
     (its tiles classified in one pass), everything else to SDPA."""
     mask = call.mask
@@ -313,23 +348,23 @@ def _dense_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> 
                 "blockwise_min_skip",
                 {"blocks": (bq, bk)},
             )
-            return Plan("blockwise", (why,), mask=run_mask)
+            return _Choice("blockwise", (why,), mask=run_mask)
     if isinstance(mask, Tensor):
-        why = Reason("tensor-mask")
+        why = _PLAIN["tensor-mask"]
     elif uses_sdpa_is_causal(T, S, mask, call.attn_bias, call.is_causal):
-        why = Reason("sdpa-is-causal")
+        why = _PLAIN["sdpa-is-causal"]
     else:
-        why = Reason("no-structured-mask")
-    return Plan("fused", (why, *_notes(call, False)))
+        why = _PLAIN["no-structured-mask"]
+    return _Choice("fused", (why, *_notes(call, False)))
 
 
-def _tile_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> Plan:
+def _tile_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> _Choice:
     """Steps 4-5 for a structured mask no reduction or flex took: blockwise where it skips
     enough tiles or the materialized mask would be too large, else SDPA over the dense mask."""
     B, H, T, _ = call.query.shape
     S = call.key.shape[2]
     pairs = T * S
-    no_band = [Reason("no-band-with-gradient")] if call.needs_grad and _has_window(run_mask) else []
+    no_band = [_PLAIN["no-band-with-gradient"]] if call.needs_grad and _has_window(run_mask) else []
     mat_bytes = 5 * pairs * (B if _per_batch(call.mask) else 1)
     if mat_bytes > policy.materialize_limit_bytes:
         limit = policy.materialize_limit_bytes
@@ -340,13 +375,13 @@ def _tile_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> P
         why = Reason(
             "too-small", "T*S pairs", pairs, policy.blockwise_min_pairs, "blockwise_min_pairs"
         )
-        return Plan("fused", (why, *_notes(call, True)))
+        return _Choice("fused", (why, *_notes(call, True)))
     # A tensor mask with is_causal and T != S is classified by its causal part alone (the
     # tensor is assumed dense); then the tiles are not the run mask's: blockwise cuts its own.
     sm = run_mask if isinstance(call.mask, StructuredMask) or call.mask is None else Causal()
     assert sm is not None
     if not _cheap_to_classify(sm):
-        return Plan("blockwise", (Reason("assumed-sparse", facts={"mask": sm}),), mask=run_mask)
+        return _Choice("blockwise", (Reason("assumed-sparse", facts={"mask": sm}),), mask=run_mask)
     blocks = resolve_blocks(sm, call.block_q, call.block_k)
     own = sm is run_mask
     tiles = plan_tiles(sm, B, H, T, S, *blocks, call.query.device, keep_masks=own)
@@ -362,22 +397,22 @@ def _tile_plan(call: Call, run_mask: StructuredMask | None, policy: Policy) -> P
         facts,
     )
     if rule == "tiles-skipped":
-        return Plan("blockwise", (why, *no_band), tiles=tiles if own else None, mask=run_mask)
-    return Plan("fused", (why, *_notes(call, True)))
+        return _Choice("blockwise", (why, *no_band), tiles=tiles if own else None, mask=run_mask)
+    return _Choice("fused", (why, *_notes(call, True)))
 
 
 def _blockwise_plan(
     call: Call, run_mask: StructuredMask | None, reasons: tuple[Reason, ...]
-) -> Plan:
+) -> _Choice:
     """A blockwise plan with its tiles cut, where the mask's rules classify tiles cheaply
     (analytically); else blockwise cuts them as it runs, one tile at a time."""
     if run_mask is not None and not _cheap_to_classify(run_mask):
-        return Plan("blockwise", reasons, mask=run_mask)
+        return _Choice("blockwise", reasons, mask=run_mask)
     B, H, T, _ = call.query.shape
     S = call.key.shape[2]
     blocks = resolve_blocks(run_mask, call.block_q, call.block_k)
     tiles = plan_tiles(run_mask, B, H, T, S, *blocks, call.query.device, keep_masks=True)
-    return Plan("blockwise", reasons, tiles=tiles, mask=run_mask)
+    return _Choice("blockwise", reasons, tiles=tiles, mask=run_mask)
 
 
 def _parts(mask: object) -> tuple[object, ...]:

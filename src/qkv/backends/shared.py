@@ -85,7 +85,7 @@ def planned(call: Call) -> Plan:
     """
     scope = None if torch.compiler.is_compiling() else _scope.get()
     if scope is None:
-        return make_plan(call)
+        return make_plan(call)  # no fit: no other call will run this plan
     fit = fit_of(call)
     policy = current_policy()
     key = (fit, id(policy))
