@@ -5,14 +5,14 @@ Times, for ``B=1 H=8 Dh=64`` float32, the forward (or forward + backward with ``
 - ``sdpa-dense``: ``F.scaled_dot_product_attention`` with the materialized ``[T, S]`` mask
   (built once, outside the timing);
 - ``blockwise``: ``qkv.attention(backend="blockwise")``;
-- ``band``: the band reduction (:func:`~qkv.backends.reductions.reduce_mask` with ``band=True``,
+- ``band``: the band reduction (:func:`~qkv.backends.pieces.reduce_mask` with ``band=True``,
   planned once, run by :func:`~qkv.backends.reductions.reduced_attention`), what ``auto`` runs
   without a gradient;
 
 interleaved (each round times every method once, so a change in the machine's load hits them
 alike), and prints median and min of the rounds and band's ratio to the best other method.
 ``--sweep`` runs wider windows, to see up to which share of the grid the band pays
-(:data:`~qkv.backends.reductions.BAND_MAX_SHARE`).
+(``Policy.band_max_share`` in :mod:`qkv.backends.policy`).
 
 Usage: ``python benchmarks/band.py [--threads N] [--repeats N] [--grad] [--sweep]``.
 """
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.backends.reductions import reduce_mask, reduced_attention
+from qkv.backends.pieces import reduce_mask
+from qkv.backends.reductions import reduced_attention
 from qkv.masks import Padding, SlidingWindow, StructuredMask
 
 MAIN = [(1024, 256, False), (1024, 256, True), (4096, 256, False), (4096, 256, True)]

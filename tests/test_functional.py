@@ -384,14 +384,16 @@ def test_accepts_unambiguous_short_masks() -> None:
 # --- one signature, resolved in one place -----------------------------------------------------
 
 
-def test_attention_and_explain_backend_share_one_signature() -> None:
-    got = inspect.signature(qkv.explain_backend).parameters
+def test_attention_plan_and_explain_backend_share_one_signature() -> None:
     want = inspect.signature(qkv.attention).parameters
-    assert got == want  # names, kinds, defaults and annotations
-    assert "block_q" in got and "block_k" in got and "bias" in got
+    for fn in (qkv.explain_backend, qkv.plan):
+        got = inspect.signature(fn).parameters
+        assert got == want  # names, kinds, defaults and annotations
+        assert {"block_q", "block_k", "bias", "plan"} <= set(got)
+        with pytest.raises(TypeError):
+            fn(*_inputs(torch.float32), masks=None)  # type: ignore[call-arg]
     assert inspect.signature(qkv.explain_backend).return_annotation in (str, "str")
-    with pytest.raises(TypeError):
-        qkv.explain_backend(*_inputs(torch.float32), masks=None)  # type: ignore[call-arg]
+    assert inspect.signature(qkv.plan).return_annotation in (qkv.Plan, "Plan")
 
 
 def test_bias_is_a_deprecated_alias_of_attn_bias() -> None:
@@ -404,14 +406,14 @@ def test_bias_is_a_deprecated_alias_of_attn_bias() -> None:
     with pytest.warns(DeprecationWarning, match="use attn_bias="):
         why = qkv.explain_backend(q, k, v, bias=attn_bias)
     assert why == qkv.explain_backend(q, k, v, attn_bias=attn_bias)
-    for fn in (qkv.attention, qkv.explain_backend):
+    for fn in (qkv.attention, qkv.explain_backend, qkv.plan):
         with pytest.raises(TypeError, match="both attn_bias and its deprecated alias bias"):
             fn(q, k, v, attn_bias=attn_bias, bias=attn_bias)
 
 
 def test_explain_backend_checks_block_sizes_like_attention() -> None:
     q, k, v = _inputs(torch.float32)
-    for fn in (qkv.attention, qkv.explain_backend):
+    for fn in (qkv.attention, qkv.explain_backend, qkv.plan):
         with pytest.raises(ValueError, match="block_k must be a positive int, got 0"):
             fn(q, k, v, backend="blockwise", block_k=0)
         with pytest.raises(TypeError, match="block_q must be an int"):

@@ -5,6 +5,8 @@ Public API::
     qkv.attention(q, k, v, mask=..., is_causal=...)           # the attention function
     qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # fused / blockwise too
     qkv.explain_backend(q, k, v, mask=...)                    # which backend, and why
+    p = qkv.plan(q, k, v, mask=...); qkv.attention(q, k, v, mask=..., plan=p)  # plan once
+    with qkv.use_policy(band_max_share=0.3): ...               # every tuning constant
     with qkv.allow_compile(): ...                             # auto may use compiled flex
     with qkv.allow_sdpa_backward(): ...                       # faster, less exact CPU grads
     qkv.scaled_dot_product_attention(q, k, v, blocked_mask)  # tutorial form: (output, weights)
@@ -25,13 +27,14 @@ import importlib
 from types import ModuleType
 
 from qkv import masks
-from qkv.backends.flex import allow_compile
-from qkv.backends.fused import allow_sdpa_backward
+from qkv.backends.policy import Policy, allow_compile, allow_sdpa_backward, use_policy
 from qkv.functional import (
     BACKENDS,
     Backend,
+    Plan,
     attention,
     explain_backend,
+    plan,
     scaled_dot_product_attention,
 )
 from qkv.masks import AnyOf, Causal, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
@@ -57,6 +60,8 @@ __all__ = [
     "MaskMod",
     "MultiHeadAttention",
     "Padding",
+    "Plan",
+    "Policy",
     "SlidingWindow",
     "StructuredMask",
     "Transformer",
@@ -67,7 +72,9 @@ __all__ = [
     "attention",
     "explain_backend",
     "masks",
+    "plan",
     "scaled_dot_product_attention",
+    "use_policy",
 ]
 
 

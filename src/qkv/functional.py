@@ -16,26 +16,24 @@ its finite inputs do not explain.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, ParamSpec, cast
 
 import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from qkv.backends.blockwise import blockwise_attention
-from qkv.backends.dispatch import BackendChoice, choose_backend
-from qkv.backends.flex import FlexKernelsExhaustedError, flex_attention_qkv, flex_refusal
-from qkv.backends.fused import blockwise_trains_faster, fused_attention
-from qkv.backends.reductions import reduced_attention
+from qkv.backends.call import Call, fit_of
+from qkv.backends.explain import explain
+from qkv.backends.plan import Plan, make_plan
 from qkv.backends.reference import reference_attention
-from qkv.checks import check_positive_int, check_probability, checks_values
-from qkv.masks import StructuredMask, causal_mask, combine
+from qkv.backends.run import overflowed, run_in_float64, run_plan
+from qkv.backends.shared import planned, values_checked
+from qkv.checks import check_positive_int, check_probability
+from qkv.masks import StructuredMask
 from qkv.masks.validate import as_4d, validate_mask
 
 Backend = Literal["auto", "reference", "fused", "blockwise", "flex"]
@@ -44,8 +42,10 @@ BACKENDS: tuple[str, ...] = ("auto", "reference", "fused", "blockwise", "flex")
 __all__ = [
     "BACKENDS",
     "Backend",
+    "Plan",
     "attention",
     "explain_backend",
+    "plan",
     "scaled_dot_product_attention",
     "validate_mask",
     "validate_qkv",
@@ -182,37 +182,17 @@ def _check_scale(scale: object) -> float:
     return float(scale)
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One :func:`attention` call, validated, with its backend chosen (or the reason there is
-    none: ``choice`` None and ``refusal`` set)."""
+def _validate(args: dict[str, Any], stacklevel: int = 3) -> Call:
+    """Validate the arguments of one :func:`attention` call.
 
-    query: Tensor
-    key: Tensor
-    value: Tensor
-    mask: Tensor | StructuredMask | None
-    attn_bias: Tensor | None
-    is_causal: bool
-    scale: float
-    need_weights: bool
-    dropout_p: float
-    training: bool
-    block_q: int | None
-    block_k: int | None
-    choice: BackendChoice | None
-    refusal: str | None
-
-
-def _resolve(args: dict[str, Any]) -> _Call:
-    """Validate the arguments of one :func:`attention` call and choose its backend.
-
-    The one place both :func:`attention` and :func:`explain_backend` resolve a call.
+    The one place :func:`attention`, :func:`plan` and :func:`explain_backend` read a call.
 
     Args:
         args: every parameter of :func:`attention` by name, defaults applied.
+        stacklevel: where the deprecation warning of ``bias=`` points (the user's call).
 
     Returns:
-        The resolved call.
+        The validated call: masks and biases 4-D, the scale resolved.
 
     Raises:
         TypeError / ValueError: the input errors listed in :func:`attention`.
@@ -226,7 +206,7 @@ def _resolve(args: dict[str, Any]) -> _Call:
         warnings.warn(
             "bias= is deprecated, use attn_bias= (the score tensor added before the softmax)",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
         attn_bias = bias
     validate_qkv(query, key, value, allow_gqa=True)
@@ -248,118 +228,37 @@ def _resolve(args: dict[str, Any]) -> _Call:
         _check_attn_bias(attn_bias, B, H, T, S)
         attn_bias = as_4d(attn_bias)  # [B|1, H|1, T|1, S|1]
     scale = 1.0 / math.sqrt(Dh) if scale is None else _check_scale(scale)
-    choice: BackendChoice | None = None
-    refusal: str | None = None
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (query, key, value, attn_bias)
-    )
-    try:
-        choice = choose_backend(
-            backend,
-            query,
-            key,
-            mask=mask,
-            attn_bias=attn_bias,
-            is_causal=args["is_causal"],
-            need_weights=args["need_weights"],
-            block_q=block_q,
-            block_k=block_k,
-            flex_blocker=flex_refusal(
-                query,
-                key,
-                value,
-                attn_bias=attn_bias,
-                dropout_p=p,
-                training=args["training"],
-            ),
-            needs_grad=needs_grad,
-            blockwise_trains=blockwise_trains_faster(
-                query, key, value, attn_bias, p, args["training"]
-            ),
-        )
-    except ValueError as err:
-        refusal = str(err)
-    return _Call(
-        query,
-        key,
-        value,
-        mask,
-        attn_bias,
-        args["is_causal"],
-        scale,
-        args["need_weights"],
-        p,
-        args["training"],
-        block_q,
-        block_k,
-        choice,
-        refusal,
-    )
+    training = args["training"]
+    is_causal, need_weights = args["is_causal"], args["need_weights"]
+    return Call(
+        query, key, value, mask, attn_bias, is_causal, scale, need_weights, p, training,
+        backend, block_q, block_k,
+    )  # fmt: skip
 
 
-def _run(call: _Call) -> tuple[Tensor, Tensor | None]:
-    """Run a resolved call on its backend."""
-    if call.choice is None:
-        raise ValueError(call.refusal)
-    q, k, v, mask = call.query, call.key, call.value, call.mask
-    if call.choice.backend == "blockwise":
-        out = blockwise_attention(
-            q,
-            k,
-            v,
-            call.choice.mask,
-            call.attn_bias,
-            call.scale,
-            call.dropout_p,
-            call.training,
-            block_q=call.block_q,
-            block_k=call.block_k,
-            plan=call.choice.plan,
+def _check_fit(plan: object, call: Call) -> Plan:
+    """``plan`` if it was made for this call (see :class:`~qkv.backends.plan.Fit`).
+
+    Raises:
+        TypeError: ``plan`` is not a :class:`Plan`.
+        ValueError: it was made for other shapes, dtype, device, mask or options.
+    """
+    if not isinstance(plan, Plan) or plan.fit is None:
+        raise TypeError(f"plan must be a Plan from qkv.plan(), got {type(plan).__name__}")
+    fit = fit_of(call)
+    if fit != plan.fit:
+        diff = [
+            "mask: planned for another mask (the same rule object, or a tensor of the same "
+            "memory, shape and version)"
+            if name == "mask"
+            else f"{name}: planned {getattr(plan.fit, name)!r}, got {getattr(fit, name)!r}"
+            for name in fit.__dataclass_fields__
+            if getattr(fit, name) != getattr(plan.fit, name)
+        ]
+        raise ValueError(
+            "the plan was made for another call (plan again with qkv.plan): " + "; ".join(diff)
         )
-        return out, None
-    if call.choice.backend == "flex":
-        try:
-            return flex_attention_qkv(q, k, v, call.choice.mask, call.scale), None  # [B, H, T, Dv]
-        except FlexKernelsExhaustedError as err:
-            warnings.warn(
-                f"{err}; this call runs on blockwise, later ones avoid flex", stacklevel=3
-            )
-        return blockwise_attention(q, k, v, call.choice.mask, None, call.scale, 0.0, False), None
-    if call.choice.reduction is not None:
-        out = reduced_attention(
-            q,
-            k,
-            v,
-            call.choice.reduction,
-            call.attn_bias,
-            scale=call.scale,
-            dropout_p=call.dropout_p,
-            training=call.training,
-        )  # [B, H, T, Dv]
-        return out, None
-    B, H, T, _ = q.shape
-    S = k.shape[2]
-    if isinstance(mask, StructuredMask):
-        mask = mask.materialize(B, H, T, S, q.device)  # [B|1, H|1, T|1, S]
-    if call.choice.backend == "fused":
-        out = fused_attention(
-            q,
-            k,
-            v,
-            mask,
-            call.attn_bias,
-            is_causal=call.is_causal,
-            scale=call.scale,
-            dropout_p=call.dropout_p,
-            training=call.training,
-        )  # [B, H, T, Dv]
-        return out, None
-    if call.is_causal:
-        mask = combine(mask, causal_mask(T, S, device=q.device))  # [B|1, H|1, T, S]
-    out, weights = reference_attention(
-        q, k, v, mask, call.attn_bias, call.scale, call.dropout_p, call.training
-    )
-    return out, (weights if call.need_weights else None)
+    return plan
 
 
 def attention(
@@ -378,13 +277,16 @@ def attention(
     block_q: int | None = None,
     block_k: int | None = None,
     bias: Tensor | None = None,
+    plan: Plan | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention with keyword options: the entry point the modules use.
 
     Every backend computes the same thing (fully masked rows give 0 with finite gradients,
     float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right ``is_causal``, dropout,
     ``attn_bias``); they differ in speed, memory and whether they return weights.
-    :func:`explain_backend` takes the same arguments and says which one a call gets and why.
+    :func:`qkv.plan` takes the same arguments and returns the :class:`Plan` a call would run
+    (which backend, the pieces or tiles, and why, as records); :func:`explain_backend` says it
+    in words.
 
     Args:
         query: ``[B, H, T, Dh]``.
@@ -403,27 +305,29 @@ def attention(
         need_weights: also return the ``[B, H, T, S]`` weights (reference backend).
         dropout_p: dropout on the weights, in ``[0, 1]``, used only when ``training``.
         training: apply dropout.
-        backend: ``"auto"`` (see :mod:`qkv.backends.dispatch`), ``"reference"`` (explicit,
+        backend: ``"auto"`` (see :mod:`qkv.backends.plan`), ``"reference"`` (explicit,
             returns weights), ``"fused"`` (PyTorch SDPA), ``"blockwise"`` (online softmax,
             skips fully masked tiles) or ``"flex"`` (compiled ``flex_attention``; forward only on
-            CPU; ``auto`` uses it only inside :func:`qkv.backends.flex.allow_compile`).
+            CPU; ``auto`` uses it only inside :func:`qkv.allow_compile`).
         block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
-            sliding window's width (see :func:`qkv.backends.blockwise.default_blocks`).
+            sliding window's width (see :func:`qkv.backends.tiles.default_blocks`).
         block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.
         bias: deprecated alias of ``attn_bias`` (warns; kept for one release).
+        plan: a plan from :func:`qkv.plan` for these very inputs (same shapes, dtype, device,
+            mask and options), run without planning again; None plans the call.
 
     Returns:
         ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
 
     Raises:
         TypeError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that is not a
-            float tensor, a scale or block sizes of the wrong type (bools included), or both
-            ``attn_bias`` and ``bias``.
+            float tensor, a scale or block sizes of the wrong type (bools included), both
+            ``attn_bias`` and ``bias``, or a ``plan`` that is not a :class:`Plan`.
         ValueError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that does
             not broadcast, an unknown backend, a scale that is not finite and positive, a
             non-positive block size, a structured mask that does not fit (a ``Dense`` part is
             checked like a tensor mask, never cropped), ``need_weights`` with the fused or
-            blockwise backend.
+            blockwise backend, a ``plan`` made for another call.
     """
     if has_torch_function((query, key, value)):
         # a TorchFunctionMode (qkv.doctor.watch) or a tensor subclass sees this call, as it
@@ -445,52 +349,17 @@ def attention(
             block_q=block_q,
             block_k=block_k,
             bias=bias,
+            plan=plan,
         )
         return result
     # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
-    # parameters above are the one list of them (explain_backend binds the same names).
-    call = _resolve(locals())
-    out, weights = _run(call)
-    if _overflowed(call, out):
-        out, weights = _run_in_float64(call)
+    # parameters above are the one list of them (plan and explain_backend bind the same names).
+    call = _validate(locals())
+    chosen = planned(call) if plan is None else _check_fit(plan, call)
+    out, weights = run_plan(call, chosen)
+    if values_checked() and overflowed(call, out):
+        out, weights = run_in_float64(call, chosen)
     return out, weights
-
-
-def _overflowed(call: _Call, out: Tensor) -> bool:
-    """Whether a float32 / bfloat16 call gave NaN from finite inputs: its float32 scores
-    overflowed (``|q| · |k|`` beyond about 1e19), ``inf - inf`` in the softmax.
-
-    One look at the output (no larger than the queries) per eager call; the inputs are
-    read only when it holds a NaN. Never under tracing: data-dependent. float16 cannot
-    overflow float32 scores (65504² · Dh is far below 3e38) and float64 is computed in float64.
-    """
-    if out.dtype not in (torch.float32, torch.bfloat16) or not checks_values():
-        return False
-    if not bool(torch.isnan(out).any()):
-        return False
-    finite = all(bool(torch.isfinite(x).all()) for x in (call.query, call.key, call.value))
-    bias = call.attn_bias
-    if bias is not None:  # -inf is a bias's way to block a key
-        finite = finite and not bool((torch.isnan(bias) | torch.isposinf(bias)).any())
-    return finite
-
-
-def _run_in_float64(call: _Call) -> tuple[Tensor, Tensor | None]:
-    """``call`` computed in float64 (same backend; flex's compiled kernels become blockwise),
-    the results cast back to the input dtype; gradients flow through the casts."""
-    wide = dataclasses.replace(
-        call,
-        query=call.query.double(),
-        key=call.key.double(),
-        value=call.value.double(),
-        attn_bias=None if call.attn_bias is None else call.attn_bias.double(),
-    )
-    if wide.choice is not None and wide.choice.backend == "flex":
-        blockwise = dataclasses.replace(wide.choice, backend="blockwise")
-        wide = dataclasses.replace(wide, choice=blockwise)
-    out, weights = _run(wide)
-    dtype = call.query.dtype
-    return out.to(dtype), None if weights is None else weights.to(dtype)
 
 
 _P = ParamSpec("_P")
@@ -498,11 +367,11 @@ _P = ParamSpec("_P")
 
 def _takes_arguments_of(
     f: Callable[_P, object],
-) -> Callable[[Callable[..., str]], Callable[_P, str]]:
+) -> Callable[[Callable[..., Any]], Callable[_P, Any]]:
     """Give the decorated function ``f``'s parameters (for type checkers and ``inspect``)."""
     params = inspect.signature(f).parameters.values()
 
-    def decorate(g: Callable[..., str]) -> Callable[_P, str]:
+    def decorate(g: Callable[..., Any]) -> Callable[_P, Any]:
         sig = inspect.signature(g).replace(parameters=list(params))
         cast(Any, g).__signature__ = sig
         return g
@@ -513,13 +382,46 @@ def _takes_arguments_of(
 _ATTENTION_SIGNATURE = inspect.signature(attention)
 
 
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Call, Plan | None]:
+    """The validated call of :func:`attention`'s arguments, and the plan it was given."""
+    bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = _validate(bound.arguments, stacklevel=4)
+    given = bound.arguments["plan"]
+    return call, None if given is None else _check_fit(given, call)
+
+
+@_takes_arguments_of(attention)
+def plan(*args: Any, **kwargs: Any) -> Plan:
+    """The :class:`Plan` :func:`attention` would run for these arguments, computing nothing.
+
+    Takes exactly the arguments of :func:`attention` (one signature) and validates them in the
+    same place. The plan says which backend runs the call (``.backend``), what it cuts the work
+    into (``.pieces``: SDPA calls; ``.tiles``: blockwise tiles) and why (``.reasons``: records
+    of the rule, the quantity measured, the threshold and the
+    :class:`~qkv.backends.policy.Policy` field). Pass it back as ``attention(..., plan=p)``
+    to run it for inputs of the same fit without planning again.
+
+    Returns:
+        The plan.
+
+    Raises:
+        TypeError / ValueError: the input errors of :func:`attention`, and the backend asked
+            for cannot serve the call (weights from fused, blockwise or flex; flex with a
+            bias, dropout or a CPU gradient).
+    """
+    call, given = _bind(args, kwargs)
+    return make_plan(call, fit_of(call)) if given is None else given
+
+
 @_takes_arguments_of(attention)
 def explain_backend(*args: Any, **kwargs: Any) -> str:
     """Say in one sentence which backend :func:`attention` would use for these arguments and why.
 
-    Takes exactly the arguments of :func:`attention` (one signature) and resolves them in the
-    same place, with the same checks, but computes nothing. If the requested backend cannot
-    serve the call, the sentence says so (``attention`` raises).
+    Takes exactly the arguments of :func:`attention` (one signature) and plans them as
+    :func:`plan` does, computing nothing: the sentence renders the plan's reasons (or, with
+    ``plan=``, that plan's). If the requested backend cannot serve the call, the sentence says
+    so (``attention`` raises).
 
     Returns:
         e.g. ``"blockwise: Causal(align='bottom_right'): 28 of 64 tiles (44%) fully masked, and
@@ -528,9 +430,11 @@ def explain_backend(*args: Any, **kwargs: Any) -> str:
     Raises:
         TypeError / ValueError: the input errors of :func:`attention`.
     """
-    bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = _resolve(bound.arguments)
-    if call.choice is None:
-        return f"no backend: {call.refusal} (attention() raises ValueError)"
-    return f"{call.choice.backend}: {call.choice.reason}"
+    call, given = _bind(args, kwargs)
+    if given is not None:
+        return explain(given)
+    try:
+        chosen = make_plan(call)
+    except ValueError as err:  # the backend asked for cannot serve the call
+        return f"no backend: {err} (attention() raises ValueError)"
+    return explain(chosen)

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 import qkv
 from qkv.backends import flex
+from qkv.backends.policy import compile_allowed, set_compile_allowed
 from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow
 
 B, H, HKV, T, S, DH = 2, 4, 2, 200, 256, 16
@@ -105,26 +106,25 @@ def test_block_masks_broadcast_over_what_the_rule_does_not_depend_on() -> None:
 def test_auto_never_compiles_without_the_switch() -> None:
     q, k, v = _inputs(T_=S)
     big = [torch.zeros(1, 1, 1024, DH)] * 3
-    assert flex.compile_allowed() is False
+    assert compile_allowed() is False
     for args in ((q, k, v), tuple(big)):
-        assert not qkv.explain_backend(*args, mask=SlidingWindow(64)).startswith("flex")
-    with flex.allow_compile():
-        assert flex.compile_allowed()
+        assert qkv.plan(*args, mask=SlidingWindow(64)).backend != "flex"
+    with qkv.allow_compile():
+        assert compile_allowed()
         wide = SlidingWindow(640)  # too wide a band for the band reduction
-        assert qkv.explain_backend(*big, mask=wide).startswith("flex: ")
+        assert qkv.plan(*big, mask=wide).backend == "flex"
         # reductions to plain SDPA calls (the band too) still win, small grids stay fused
-        assert qkv.explain_backend(*big, mask=Causal()).startswith("fused")
-        assert qkv.explain_backend(*big, mask=SlidingWindow(64)).startswith("fused")
-        assert qkv.explain_backend(q, k, v, mask=wide).startswith("fused")
-        with flex.allow_compile(False):
-            assert not qkv.explain_backend(*big, mask=wide).startswith("flex")
+        assert qkv.plan(*big, mask=Causal()).backend == "fused"
+        assert qkv.plan(*big, mask=SlidingWindow(64)).backend == "fused"
+        assert qkv.plan(q, k, v, mask=wide).backend == "fused"
+        with qkv.allow_compile(False):
+            assert qkv.plan(*big, mask=wide).backend != "flex"
         # what flex cannot run is not given to it
         grad = [t.clone().requires_grad_() for t in big]
-        assert qkv.explain_backend(*grad, mask=wide).startswith("blockwise")
+        assert qkv.plan(*grad, mask=wide).backend == "blockwise"
         bias = torch.zeros(1, 1, 1024, 1024)
-        explained = qkv.explain_backend(*big, mask=wide, attn_bias=bias)
-        assert not explained.startswith("flex")
-    assert flex.compile_allowed() is False
+        assert qkv.plan(*big, mask=wide, attn_bias=bias).backend != "flex"
+    assert compile_allowed() is False
 
 
 def test_explain_reports_the_measured_compile_time() -> None:
@@ -152,7 +152,7 @@ def test_flex_refuses_what_it_cannot_do() -> None:
         out, _ = qkv.attention(q, k, v, mask=mask, backend="flex")
     assert not out.requires_grad
     with pytest.raises(TypeError, match="allowed must be a bool"):
-        flex.set_compile_allowed(1)  # type: ignore[arg-type]
+        set_compile_allowed(1)  # type: ignore[arg-type]
 
 
 def test_a_new_window_reuses_the_kernel_and_a_full_kernel_cache_falls_back(
@@ -166,14 +166,13 @@ def test_a_new_window_reuses_the_kernel_and_a_full_kernel_cache_falls_back(
     assert counters["stats"]["unique_graphs"] == graphs  # window is a tensor, not a constant
     _check(out, _reference(q, k, v, SlidingWindow(96)))
     # Past the kernel limit torch would run flex eagerly (every score materialized); qkv stops.
-    monkeypatch.setattr(flex, "FLEX_MAX_KERNELS", 1)
     monkeypatch.setitem(flex._state, "exhausted", False)
-    q2, k2, v2 = (x[:, :, :136] for x in (q, k, v))  # a new grid: it would need a new kernel
-    with torch.no_grad(), pytest.warns(UserWarning, match="runs on blockwise"):
-        out, _ = qkv.attention(q2, k2, v2, mask=SlidingWindow(96), backend="flex")
-    _check(out, _reference(q2, k2, v2, SlidingWindow(96)))
-    with torch.no_grad(), qkv.allow_compile():
-        why = qkv.explain_backend(q, k, v, mask=SlidingWindow(96))
-        assert not why.startswith("flex:")
-        with pytest.raises(ValueError, match="compiled its 1 kernels"):
-            qkv.attention(q, k, v, mask=SlidingWindow(96), backend="flex")
+    with qkv.use_policy(flex_max_kernels=1):
+        q2, k2, v2 = (x[:, :, :136] for x in (q, k, v))  # a new grid: it would need a new kernel
+        with torch.no_grad(), pytest.warns(UserWarning, match="runs on blockwise"):
+            out, _ = qkv.attention(q2, k2, v2, mask=SlidingWindow(96), backend="flex")
+        _check(out, _reference(q2, k2, v2, SlidingWindow(96)))
+        with torch.no_grad(), qkv.allow_compile():
+            assert qkv.plan(q, k, v, mask=SlidingWindow(96)).backend != "flex"
+            with pytest.raises(ValueError, match="compiled its 1 kernels"):
+                qkv.attention(q, k, v, mask=SlidingWindow(96), backend="flex")

@@ -121,7 +121,7 @@ def test_sdpa_backward_is_why_exact_gradients_are_the_default(measured: tuple) -
     assert script.worst(ratios, "fused") <= BOUND  # the same cases, exact gradients
 
 
-def test_exact_backward_only_below_its_memory_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_backward_only_below_its_memory_bound() -> None:
     """Long sequences keep SDPA's O(T) backward memory: the exact backward has a size bound."""
     from qkv.backends import fused
 
@@ -130,10 +130,10 @@ def test_exact_backward_only_below_its_memory_bound(monkeypatch: pytest.MonkeyPa
         q, q, q, None, None, is_causal=False, scale=0.3, dropout_p=0.0, training=False
     )
     assert type(out.grad_fn).__name__ == "_ExactBackwardBackward"
-    monkeypatch.setattr(fused, "EXACT_BACKWARD_MAX_BYTES", 4 * 2 * 16 * 16 * 4 - 1)
-    out = fused.fused_attention(
-        q, q, q, None, None, is_causal=False, scale=0.3, dropout_p=0.0, training=False
-    )
+    with qkv.use_policy(exact_backward_max_bytes=4 * 2 * 16 * 16 * 4 - 1):
+        out = fused.fused_attention(
+            q, q, q, None, None, is_causal=False, scale=0.3, dropout_p=0.0, training=False
+        )
     assert type(out.grad_fn).__name__ != "_ExactBackwardBackward"
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()

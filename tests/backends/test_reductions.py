@@ -1,4 +1,7 @@
-"""Mask reductions to plain SDPA calls: exact against the float64 reference, and named."""
+"""Mask reductions to plain SDPA calls: exact against the float64 reference, and planned.
+
+Assertions read the plan's pieces (``qkv.plan(...).pieces``, a :class:`Reduction`), not the
+sentences :func:`qkv.explain_backend` makes of them."""
 
 import pytest
 import torch
@@ -6,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.backends import reductions
-from qkv.backends.reductions import Piece, reduce_mask, reduced_attention
+from qkv.backends import reads
+from qkv.backends.pieces import Piece, Reduction, reduce_mask
+from qkv.backends.plan import Plan
+from qkv.backends.reductions import reduced_attention
 from qkv.masks import Causal, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 
 TOL64 = {"atol": 1e-10, "rtol": 1e-8}
@@ -30,15 +35,32 @@ def _out_and_grads(backend: str, xs: list[torch.Tensor], **kw: object) -> list[t
     return [out, *torch.autograd.grad(out, wrt, d_out)]
 
 
-def _check(xs: list[torch.Tensor], **kw: object) -> str:
-    """auto and fused agree with the reference in float64; returns auto's explanation."""
+def _check(xs: list[torch.Tensor], **kw: object) -> Reduction:
+    """auto and fused agree with the reference in float64; returns auto's pieces."""
     want = _out_and_grads("reference", xs, **kw)
     for backend in ("auto", "fused"):
         got = _out_and_grads(backend, xs, **kw)
         for g, w in zip(got, want, strict=True):
             assert torch.isfinite(g).all()
             torch.testing.assert_close(g, w, **TOL64)
-    return qkv.explain_backend(*xs, **kw)  # type: ignore[arg-type]
+    p = qkv.plan(*xs, **kw)  # type: ignore[arg-type]
+    assert p.backend == "fused" and p.reasons[0].rule == "reduced" and p.pieces is not None
+    return p.pieces
+
+
+def _kinds(red: Reduction) -> list[str]:
+    return [p.kind for g in red.groups for p in g.pieces]
+
+
+def _masked(red: Reduction) -> list[tuple[int, int]]:
+    """The shapes of the pieces that keep the rule's own mask."""
+    return [(p.q1 - p.q0, p.k1 - p.k0) for g in red.groups for p in g.pieces if p.kind == "masked"]
+
+
+def _dead_rows(red: Reduction) -> int:
+    return sum(
+        len(g.batch) * (p.q1 - p.q0) for g in red.groups for p in g.pieces if p.kind == "dead"
+    )
 
 
 def _docs(lengths: list[int]) -> torch.Tensor:
@@ -48,28 +70,27 @@ def _docs(lengths: list[int]) -> torch.Tensor:
 
 def test_causal_rule_becomes_sdpa_is_causal() -> None:
     xs = _inputs(1, 4, 2, 12, 12)
-    why = _check(xs, mask=Causal())
-    assert why.startswith("fused:") and "is_causal kernel" in why and "1 SDPA call" in why
+    red = _check(xs, mask=Causal())
+    assert _kinds(red) == ["causal"] and red.calls == 1
     top_left = _check(_inputs(1, 2, 2, 5, 9), mask=Causal(align="top_left"))
-    assert "is_causal kernel" in top_left
+    assert "causal" in _kinds(top_left)
     # Bottom-right with T > S: the first T - S rows see no key and are 0.
     wide = _check(_inputs(1, 2, 2, 9, 5), mask=Causal())
-    assert "is_causal kernel" in wide and "4 query row(s) with no key left are set to 0" in wide
+    assert _kinds(wide) == ["dead", "causal"] and _dead_rows(wide) == 4
 
 
 def test_kv_cache_chunk_needs_no_full_mask() -> None:
     # T=3 queries after 6 cached keys: only the first two rows have a causal edge.
     xs = _inputs(1, 2, 1, 3, 9)
-    why = _check(xs, is_causal=True)
-    assert "2 SDPA call(s)" in why and "at most [2, 8]" in why
+    red = _check(xs, is_causal=True)
+    assert red.calls == 2 and _masked(red) == [(2, 8)]
     one = _check(_inputs(1, 2, 1, 1, 9), is_causal=True)  # decoding: row 0 sees every key
-    assert "1 SDPA call(s) on 100%" in one
+    assert one.calls == 1 and one.pairs == 9
 
 
 def test_padding_cuts_keys_to_the_longest_live_length() -> None:
     xs = _inputs(3, 2, 2, 6, 10)
-    why = _check(xs, mask=Padding(torch.tensor([7, 4, 0])))
-    assert "keys cut to the live length (longest 7 of S=10)" in why
+    assert _check(xs, mask=Padding(torch.tensor([7, 4, 0]))).longest == 7
     red = reduce_mask(Padding(torch.tensor([7, 4, 0])), 3, 2, 6, 10)
     # Suffix padding: one maskless call per live length (7 and 4); the empty sample is zeros.
     assert red is not None and red.calls == 2
@@ -78,20 +99,19 @@ def test_padding_cuts_keys_to_the_longest_live_length() -> None:
 
 def test_padding_as_is_pad_with_and_without_holes() -> None:
     suffix = torch.tensor([[False] * 5 + [True] * 3, [False] * 6 + [True] * 2])
-    why = _check(_inputs(2, 2, 2, 4, 8), mask=Padding(suffix))
-    assert "longest 6 of S=8" in why
+    assert _check(_inputs(2, 2, 2, 4, 8), mask=Padding(suffix)).longest == 6
     holes = torch.tensor([[False, True] * 3 + [True, True], [True] * 8])
-    why = _check(_inputs(2, 2, 2, 4, 8), mask=Padding(holes))
-    assert "longest 5 of S=8" in why and "rule's own mask" in why
+    red = _check(_inputs(2, 2, 2, 4, 8), mask=Padding(holes))
+    assert red.longest == 5 and _masked(red) == [(4, 5)]
 
 
 def test_causal_with_padding_groups_samples_by_length() -> None:
     lengths = torch.tensor([9, 3, 9, 0])
-    why = _check(_inputs(4, 2, 1, 9, 9), mask=Causal() | Padding(lengths))
-    assert "is_causal kernel" in why and "grouped by length (3 groups)" in why
+    red = _check(_inputs(4, 2, 1, 9, 9), mask=Causal() | Padding(lengths))
+    assert "causal" in _kinds(red) and len(red.groups) == 3
     # One is_causal call per live length: the rows past a sample's last live key (which see
     # every live key) stay in that call, as SDPA's top-left flag has them (the empty sample: 0).
-    assert "2 SDPA call(s)" in why
+    assert red.calls == 2
     red = reduce_mask(Causal() | Padding(lengths), 4, 2, 9, 9)
     assert red is not None
     tall = [p for g in red.groups for p in g.pieces if p.kind == "causal" and p.k1 == 3]
@@ -100,20 +120,20 @@ def test_causal_with_padding_groups_samples_by_length() -> None:
 
 def test_documents_one_call_each_and_causal_inside() -> None:
     ids = _docs([3, 5, 1, 4])
-    why = _check(_inputs(1, 2, 2, 13, 13), mask=Documents(ids))
-    assert "one SDPA call per document" in why and "4 SDPA call(s)" in why
-    why = _check(_inputs(1, 2, 2, 13, 13), mask=Documents(ids) | Causal())
-    assert "one SDPA call per document" in why and "is_causal kernel" in why
+    red = _check(_inputs(1, 2, 2, 13, 13), mask=Documents(ids))
+    assert red.documents and red.calls == 4 and _kinds(red) == ["open"] * 4
+    red = _check(_inputs(1, 2, 2, 13, 13), mask=Documents(ids) | Causal())
+    assert red.documents and _kinds(red) == ["causal", "causal", "open", "causal"]  # 1 key: open
     padded = Documents(ids) | Causal() | Padding(torch.tensor([10]))
-    why = _check(_inputs(1, 2, 2, 13, 13), mask=padded)
-    assert "one SDPA call per document" in why and "longest 10" in why
+    red = _check(_inputs(1, 2, 2, 13, 13), mask=padded)
+    assert red.documents and red.longest == 10
 
 
 def test_cross_documents_and_missing_documents() -> None:
     q_ids = torch.tensor([[0, 0, 1, 1, 1, 5]])  # document 5 has no keys: its row is 0
     kv_ids = torch.tensor([[0, 1, 1, 1, 2, 2, 2]])
-    why = _check(_inputs(1, 2, 1, 6, 7), mask=Documents(q_ids, kv_ids))
-    assert "one SDPA call per document" in why and "1 query row(s)" in why
+    red = _check(_inputs(1, 2, 1, 6, 7), mask=Documents(q_ids, kv_ids))
+    assert red.documents and red.calls == 2 and _dead_rows(red) == 1
 
 
 def test_bias_is_cut_with_the_pieces() -> None:
@@ -127,17 +147,16 @@ def test_bias_is_cut_with_the_pieces() -> None:
 
 
 def test_document_runs_are_read_in_one_pass() -> None:
-    runs = reductions._runs(torch.tensor([4, 4, 7, 7, 7, 2]))
+    runs = reads.runs(torch.tensor([4, 4, 7, 7, 7, 2]))
     assert runs == [(4, 0, 2), (7, 2, 5), (2, 5, 6)]
-    assert reductions._runs(torch.tensor([], dtype=torch.long)) == []
+    assert reads.runs(torch.tensor([], dtype=torch.long)) == []
 
 
 def test_not_reducible_parts_and_unsorted_documents_are_left_alone() -> None:
     assert reduce_mask(SlidingWindow(3), 1, 1, 8, 8) is None
     assert reduce_mask(MaskMod(lambda b, h, q, k: q >= k), 1, 1, 8, 8) is None
     assert reduce_mask(Documents(torch.tensor([[0, 1, 0, 1]])), 1, 1, 4, 4) is None
-    why = qkv.explain_backend(*_inputs(1, 1, 1, 8, 8), mask=SlidingWindow(3))
-    assert "reduced" not in why
+    assert qkv.plan(*_inputs(1, 1, 1, 8, 8), mask=SlidingWindow(3)).pieces is None
 
 
 def test_a_reduction_for_another_grid_is_refused() -> None:
@@ -204,58 +223,60 @@ def test_padding_tensor_from_a_model_is_reduced_as_padding(is_causal: bool) -> N
     lengths = torch.tensor([9, 4, 9, 0, 6])
     is_pad = torch.arange(9)[None] >= lengths[:, None]  # [B, S], suffix padding
     xs = _inputs(5, 4, 2, 9, 9, seed=3)
-    why = _check(xs, mask=padding_mask(is_pad), is_causal=is_causal)
-    assert why.startswith("fused: the [B, 1, 1, S] mask tensor is key padding: ")
-    assert "samples grouped by length (4 groups)" in why
-    assert "9 query row(s) with no key left are set to 0" in why
+    red = _check(xs, mask=padding_mask(is_pad), is_causal=is_causal)
+    assert qkv.plan(*xs, mask=padding_mask(is_pad), is_causal=is_causal).reasons[0].facts == {
+        "from_tensor": True
+    }
+    assert len(red.groups) == 4 and _dead_rows(red) == 9
     # Holes (left and middle padding) keep the rule's own mask on the cut keys, still exact.
     holes = is_pad | torch.arange(9)[None].eq(8)  # no sample sees key 8: cut to 8 keys
     holes[0, 2] = True
     holes[2, 0] = True
     cut = _check(xs, mask=padding_mask(holes), is_causal=is_causal)
-    assert "key padding" in cut and "longest 8 of S=9" in cut and "keep the rule's own" in cut
+    assert cut.longest == 8 and _masked(cut)
     # Nothing to cut (a sample live up to key S - 1): without is_causal SDPA takes it as it is.
     holes[0, 8] = False
-    uncut = _check(xs, mask=padding_mask(holes), is_causal=is_causal)
-    assert ("key padding" in uncut) == is_causal  # causal still cuts the upper triangle
-    assert ("as it is" in uncut) != is_causal
+    uncut = qkv.plan(*xs, mask=padding_mask(holes), is_causal=is_causal)
+    assert (uncut.pieces is not None) == is_causal  # causal still cuts the upper triangle
+    assert (uncut.reasons[0].rule == "tensor-mask") != is_causal
     # One row broadcast over the batch.
     one = padding_mask(is_pad[:1] | torch.arange(9)[None].eq(8))  # [1, 1, 1, S]
-    assert "longest 8 of S=9" in _check(xs, mask=one, is_causal=is_causal)
+    assert _check(xs, mask=one, is_causal=is_causal).longest == 8
 
 
 def test_other_tensor_shapes_are_not_read_as_padding() -> None:
     xs = _inputs(2, 2, 2, 6, 6, seed=4)
     rows = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(0)) < 0.3
-    why = _check(xs, mask=rows)
-    assert "key padding" not in why and "goes to SDPA as it is" in why
+    p = qkv.plan(*xs, mask=rows)
+    assert p.pieces is None and p.reasons[0].rule == "tensor-mask"
 
 
 def test_sliding_window_tensor_is_classified_and_runs_blockwise() -> None:
-    # T * S = 1024 * 1024 reaches BLOCKWISE_MIN_PAIRS: auto classifies the tensor's tiles.
+    # T * S = 1024 * 1024 reaches Policy.blockwise_min_pairs: auto classifies the tensor's tiles.
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 1, 1024, 8, generator=g, dtype=torch.float64) for _ in range(3))
     band = SlidingWindow(128).materialize(1, 1, 1024, 1024)  # [1, 1, T, S]
-    why = qkv.explain_backend(q, k, v, mask=band)
-    assert why.startswith("blockwise: the mask tensor has") and "fully masked" in why
+    p = qkv.plan(q, k, v, mask=band)
+    assert p.backend == "blockwise" and p.reasons[0].rule == "tensor-tiles-skipped"
+    assert p.reasons[0].value is not None and p.reasons[0].value >= 0.25
     want, _ = qkv.attention(q, k, v, mask=band, backend="reference")
     got, _ = qkv.attention(q, k, v, mask=band)
     torch.testing.assert_close(got, want, **TOL64)
     dense = torch.rand(1, 1, 1024, 1024, generator=g) < 0.5  # no tile fully masked
-    assert qkv.explain_backend(q, k, v, mask=dense).startswith("fused: an explicit mask tensor")
+    assert qkv.plan(q, k, v, mask=dense).reasons[0].rule == "tensor-mask"
 
 
 TOL32 = {"atol": 1e-5, "rtol": 1.3e-6}
 
 
-def _band(xs: list[torch.Tensor], mask: StructuredMask, **kw: object) -> str:
+def _band(xs: list[torch.Tensor], mask: StructuredMask, **kw: object) -> Plan:
     """Forward without a gradient: auto runs the band reduction, exact against the float64
-    reference of the same inputs; returns auto's explanation."""
+    reference of the same inputs; returns auto's plan."""
     with torch.no_grad():
-        why = qkv.explain_backend(*xs, mask=mask, **kw)  # type: ignore[arg-type]
+        why = qkv.plan(*xs, mask=mask, **kw)  # type: ignore[arg-type]
         got, _ = qkv.attention(*xs, mask=mask, **kw)  # type: ignore[arg-type]
         want, _ = qkv.attention(*(x.double() for x in xs), mask=mask, backend="reference", **kw)  # type: ignore[arg-type]
-    assert "band SDPA call(s)" in why, why
+    assert why.pieces is not None and why.pieces.band, why
     assert got.dtype == xs[0].dtype and torch.isfinite(got).all()
     tol = TOL64 if got.dtype == torch.float64 else TOL32
     torch.testing.assert_close(got.double(), want, **tol)
@@ -283,14 +304,15 @@ def _f32(B: int, H: int, Hkv: int, T: int, S: int, seed: int = 0) -> list[torch.
 )
 def test_band_matches_the_reference(T: int, S: int, rule: StructuredMask) -> None:
     why = _band(_f32(1, 4, 2, T, S), rule)  # GQA: 4 query heads on 2 key heads
-    assert f"up to {128} query rows" in why
+    assert why.pieces is not None and why.pieces.band_block == 128
+    assert all(p.q1 - p.q0 <= 128 for g in why.pieces.groups for p in g.pieces if p.kind != "dead")
     _band(_inputs(1, 2, 2, T, S, seed=1), rule)  # float64: to the reference's own precision
 
 
 def test_band_with_padding_cuts_each_sample_to_its_live_keys() -> None:
     lengths = torch.tensor([512, 200, 0, 333])  # a sample with no key is 0
     why = _band(_f32(4, 2, 1, 512, 512), SlidingWindow(64) | Padding(lengths))
-    assert "longest 512 of S=512" in why and "set to 0" in why
+    assert why.pieces is not None and why.pieces.longest == 512 and _dead_rows(why.pieces) > 0
     is_pad = torch.arange(512)[None] >= lengths[:, None]  # [B, S], as a model builds it
     _band(_f32(4, 2, 1, 512, 512), SlidingWindow(64) | Padding(is_pad) | Causal())
     holes = is_pad.clone()
@@ -340,29 +362,30 @@ def test_band_pieces_ask_the_window_once_per_pattern_and_carry_the_bias(
 def test_band_inside_documents() -> None:
     ids = _docs([200, 37, 275])  # [1, 512]
     why = _band(_f32(1, 2, 2, 512, 512), SlidingWindow(64) | Documents(ids))
-    assert "one SDPA call per document" in why and "band SDPA" in why
+    assert why.pieces is not None and why.pieces.documents and why.pieces.band
 
 
 def test_band_in_low_precision_is_computed_in_float32() -> None:
     q, k, v = (x.to(torch.bfloat16) for x in _f32(1, 4, 4, 512, 512))
     rule = SlidingWindow(64)
     with torch.no_grad():
-        why = qkv.explain_backend(q, k, v, mask=rule)
+        why = qkv.plan(q, k, v, mask=rule)
         got, _ = qkv.attention(q, k, v, mask=rule)
         want, _ = qkv.attention(q.double(), k.double(), v.double(), mask=rule, backend="reference")
         # A naive bfloat16 formula, every step in bfloat16.
         scores = (q @ k.transpose(-2, -1)) * 0.25  # [B, H, T, S]
         scores = scores.masked_fill(rule.materialize(1, 4, 512, 512), float("-inf"))
         naive = scores.softmax(dim=-1) @ v  # [B, H, T, Dv]
-    assert "band SDPA" in why and "upcast to float32" in why and got.dtype == torch.bfloat16
+    assert why.pieces is not None and why.pieces.band and got.dtype == torch.bfloat16
+    assert [r.rule for r in why.reasons] == ["reduced", "upcast"]
     err = (got.double() - want).abs().max()
     assert err <= 2 * (naive.double() - want).abs().max()
 
 
 def test_window_wider_than_the_grid_is_causal() -> None:
     # window >= S (bottom-right, T == S): the window never binds; SDPA's is_causal runs it.
-    why = _check(_inputs(1, 2, 2, 12, 12), mask=SlidingWindow(12))
-    assert "is_causal kernel" in why and "band" not in why
+    red = _check(_inputs(1, 2, 2, 12, 12), mask=SlidingWindow(12))
+    assert _kinds(red) == ["causal"] and not red.band
     red = reduce_mask(SlidingWindow(300), 1, 2, 300, 300, band=True)
     assert red is not None and red.calls == 1  # reduced as causal, not cut into bands
     red = reduce_mask(SlidingWindow(299), 1, 2, 300, 300, band=True)
@@ -376,7 +399,7 @@ def test_band_needs_to_be_allowed_and_to_pay() -> None:
     assert reduce_mask(SlidingWindow(640), 1, 2, 1024, 1024, band=True) is None  # 52%
     # A gradient: auto does not cut the window into bands (fwd+bwd measured slower).
     xs = _inputs(1, 2, 2, 512, 512)
-    assert "band" not in qkv.explain_backend(*xs, mask=SlidingWindow(64))
+    assert qkv.plan(*xs, mask=SlidingWindow(64)).pieces is None
 
 
 @settings(max_examples=40, deadline=None)
@@ -403,9 +426,7 @@ def test_any_band_matches_the_reference(
     data: st.DataObject,
 ) -> None:
     # Blocks of 4 rows and no share limit, so tiny grids are cut into many bands.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(reductions, "BAND_BLOCK", 4)
-        mp.setattr(reductions, "BAND_MAX_SHARE", 1.0)
+    with qkv.use_policy(band_block=4, band_max_share=1.0):
         w = (
             SlidingWindow(window, align=where)  # type: ignore[arg-type]
             if isinstance(where, str)

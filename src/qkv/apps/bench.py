@@ -16,8 +16,8 @@ or ``torch.cuda.max_memory_allocated`` on a GPU.
 With ``--compile``, compiled ``flex_attention`` joins the peers of every structured mask (its
 block mask built once, outside the timing, and its compile time in the notes; on CPU forward
 only, as torch 2.13 has no flex backward there), and qkv ``auto`` under
-:func:`~qkv.backends.flex.allow_compile` joins the contestants. On CPU, forward+backward rows
-also time qkv ``auto`` inside :func:`~qkv.backends.fused.allow_sdpa_backward` (SDPA's own,
+:func:`~qkv.backends.policy.allow_compile` joins the contestants. On CPU, forward+backward rows
+also time qkv ``auto`` inside :func:`~qkv.backends.policy.allow_sdpa_backward` (SDPA's own,
 less exact backward instead of qkv's exact one), so the price of exact gradients is in the table.
 
 Run ``python benchmarks/attention.py`` or ``qkv bench`` (``--quick`` for small sizes,
@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from qkv.backends.flex import FLEX_MAX_KERNELS, allow_compile
-from qkv.backends.fused import allow_sdpa_backward
+from qkv.backends.policy import allow_compile, allow_sdpa_backward, current_policy
 from qkv.functional import attention, explain_backend
 from qkv.masks import Causal, Documents, Padding, SlidingWindow, StructuredMask, to_sdpa_bool
 
@@ -102,7 +101,7 @@ class _Case:
             return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
 
     def qkv_sdpa_backward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """qkv ``auto`` on this case inside :func:`~qkv.backends.fused.allow_sdpa_backward`."""
+        """qkv ``auto`` on this case inside :func:`~qkv.backends.policy.allow_sdpa_backward`."""
         with allow_sdpa_backward():
             return attention(q, k, v, mask=self.mask, is_causal=self.is_causal)[0]
 
@@ -389,7 +388,7 @@ def run_benchmarks(
         lengths: the lengths before shrinking (default :data:`LENGTHS`).
         compile: add compiled ``flex_attention`` as a peer (forward only on CPU; its compile
             time goes to the notes, not the table) and qkv ``auto`` under
-            :func:`~qkv.backends.flex.allow_compile` as a contestant.
+            :func:`~qkv.backends.policy.allow_compile` as a contestant.
 
     Returns:
         ``(rows, matmul GFLOP/s, explanation lines)``: the lines say what ``auto`` chose for
@@ -424,7 +423,7 @@ def run_benchmarks(
     Ls = [max(L // scale, 8) for L in (LENGTHS if lengths is None else lengths)]
     # Every case and length compiles its own flex kernel (peer and qkv alike): past torch's
     # default recompile limit (8) the peer would run flex_attention eagerly, so raise it.
-    with torch._dynamo.config.patch(recompile_limit=FLEX_MAX_KERNELS):
+    with torch._dynamo.config.patch(recompile_limit=current_policy().flex_max_kernels):
         for case in chosen:
             notes.append(f"{case} at L={Ls[0]}: qkv auto -> {_explain(case, Ls[0], dev)}")
             for L in Ls:

@@ -7,8 +7,9 @@ measured faster, and ``auto`` takes that first). It needs ``torch.compile``, so 
 only where asked:
 
 - ``backend="flex"`` asks for it by name, call by call;
-- :func:`allow_compile` (a context manager) or :func:`set_compile_allowed` lets ``auto`` choose
-  it. Without that switch ``auto`` never compiles anything.
+- :func:`~qkv.backends.policy.allow_compile` (a context manager, per thread) or
+  :func:`~qkv.backends.policy.set_compile_allowed` (process-wide) lets ``auto`` choose it.
+  Without that opt-in ``auto`` never compiles anything.
 
 qkv's semantics are kept at this edge: qkv's rules (True = blocked) become flex ``mask_mod``
 predicates (True = may attend) and a cached ``BlockMask``; fully masked rows give 0 (flex's own
@@ -29,89 +30,37 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from qkv.backends.policy import current_policy
 from qkv.backends.reference import compute_dtype, drop_blocked_keys
 from qkv.masks.rules import AnyOf, Dense, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
 from qkv.masks.tiles import EMPTY, Tile, TileMask, query_offset
-from qkv.switches import Switch
 
 __all__ = [
-    "BLOCK_MASK_CACHE_SIZE",
-    "FLEX_BLOCK",
-    "FLEX_MAX_KERNELS",
     "FlexKernelsExhaustedError",
-    "allow_compile",
-    "compile_allowed",
     "compile_seconds",
     "flex_attention_qkv",
     "flex_refusal",
-    "set_compile_allowed",
 ]
-
-FLEX_MAX_KERNELS = 64
-"""Compiled flex kernels kept per process (torch's recompile limit, raised from its default 8
-for qkv's calls only). Each new grid, dtype or mask structure compiles one; past the limit
-torch would silently run flex_attention eagerly (materializing every score, ~40x slower), so
-qkv stops using flex instead: that call runs on blockwise with a warning, and later ones are
-refused (``auto`` picks another backend)."""
 
 
 class FlexKernelsExhaustedError(RuntimeError):
-    """Raised by :func:`flex_attention_qkv` when the call would need kernel number
-    :data:`FLEX_MAX_KERNELS` + 1."""
+    """Raised by :func:`flex_attention_qkv` when the call would need one kernel more than
+    :attr:`Policy.flex_max_kernels <qkv.backends.policy.Policy>`."""
 
 
-BLOCK_MASK_CACHE_SIZE = 16
-"""Block masks kept (least recently used dropped): one per (rule, shape, device)."""
-
-_COMPILE = Switch("allowed")
 _state = {"exhausted": False}
 _compiled: list[Callable[..., Any]] = []
 _compile_seconds: dict[tuple[object, ...], float] = {}
 _block_masks: OrderedDict[tuple[object, ...], tuple[StructuredMask, BlockMask]] = OrderedDict()
 
 Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-
-
-def set_compile_allowed(allowed: bool) -> None:
-    """Let ``backend="auto"`` use the compiled flex backend (process-wide), or stop it.
-
-    Args:
-        allowed: True to allow compilation, False (the default state) to forbid it.
-
-    Raises:
-        TypeError: ``allowed`` is not a bool.
-    """
-    _COMPILE.set(allowed)
-
-
-def compile_allowed() -> bool:
-    """Whether ``auto`` may use the compiled flex backend now (see :func:`allow_compile`)."""
-    return _COMPILE.on
-
-
-@contextmanager
-def allow_compile(allowed: bool = True) -> Iterator[None]:
-    """Within the block, ``backend="auto"`` may choose the compiled flex backend.
-
-    The first flex call of each input signature compiles (seconds on CPU; the measured time is
-    in :func:`compile_seconds` and in ``explain_backend``); later ones reuse the kernel.
-
-    Args:
-        allowed: the state inside the block (False forbids it inside an outer ``allow_compile``).
-
-    Raises:
-        TypeError: ``allowed`` is not a bool.
-    """
-    with _COMPILE.scoped(allowed):
-        yield
 
 
 def compile_seconds() -> dict[tuple[object, ...], float]:
@@ -147,8 +96,8 @@ def flex_refusal(
     """
     if _state["exhausted"]:
         return (
-            f"flex has compiled its {FLEX_MAX_KERNELS} kernels in this process "
-            "(qkv.backends.flex.FLEX_MAX_KERNELS); use backend='blockwise'"
+            f"flex has compiled its {current_policy().flex_max_kernels} kernels in this "
+            "process (Policy.flex_max_kernels); use backend='blockwise'"
         )
     if attn_bias is not None:
         return "flex takes no attn_bias in qkv (use backend='fused' or 'blockwise')"
@@ -225,15 +174,11 @@ def _predicate(rule: StructuredMask, B: int, H: int, T: int, S: int) -> Predicat
     raise TypeError(f"the flex backend cannot run a {type(rule).__name__} mask")
 
 
-FLEX_BLOCK = 128
-"""flex_attention's block size (both directions): the grain at which blocks are skipped."""
-
-
 def _block_status(
     rule: StructuredMask, B: int, H: int, T: int, S: int, device: torch.device
 ) -> Tensor:
-    """Each ``FLEX_BLOCK``-square block of the grid: 0 every pair blocked, 1 partly blocked, 2
-    nothing blocked; from the rule's own tile classification (an analytic answer for most
+    """Each ``Policy.flex_block``-square block of the grid: 0 every pair blocked, 1 partly
+    blocked, 2 nothing blocked; from the rule's own tile classification (an analytic answer for most
     tiles; a small bool tile where it is partial).
 
     Returns ``[B|1, H|1, nq, nk]``: a dim is kept only if some partial tile varies along it (a
@@ -241,13 +186,14 @@ def _block_status(
     heads runs faster: flex's CPU kernel took 1.13x the time with the same blocks repeated per
     head (sliding window 256, 4k, 8 heads).
     """
-    nq, nk = -(-T // FLEX_BLOCK), -(-S // FLEX_BLOCK)
+    block = current_policy().flex_block
+    nq, nk = -(-T // block), -(-S // block)
     found: list[tuple[int, int, TileMask]] = []
     Bs, Hs = 1, 1
     for i in range(nq):
-        q0, q1 = i * FLEX_BLOCK, min((i + 1) * FLEX_BLOCK, T)
+        q0, q1 = i * block, min((i + 1) * block, T)
         for j in range(nk):
-            k0, k1 = j * FLEX_BLOCK, min((j + 1) * FLEX_BLOCK, S)
+            k0, k1 = j * block, min((j + 1) * block, S)
             tm = rule.tile(Tile(B, H, T, S, q0, q1, k0, k1, device))
             if tm is EMPTY:
                 continue
@@ -283,7 +229,7 @@ def block_mask_for(
     Built from qkv's own tile classification (:func:`_block_status`), not flex's
     ``create_block_mask``: eagerly that evaluates the predicate on all ``T · S`` pairs (0.25 s at
     4k here), and compiled it hit an inductor C++ codegen error on CPU for an indexed
-    ``Padding`` predicate. The cache (:data:`BLOCK_MASK_CACHE_SIZE` entries) is keyed by the
+    ``Padding`` predicate. The cache (``Policy.block_mask_cache_size`` entries) is keyed by the
     rule object itself (kept alive by its entry, so its id is not reused) and the grid.
 
     Args:
@@ -294,7 +240,8 @@ def block_mask_for(
     Returns:
         The block mask.
     """
-    key = (id(rule), B, H, T, S, str(device))
+    policy = current_policy()
+    key = (id(rule), B, H, T, S, str(device), policy.flex_block)
     hit = _block_masks.get(key)
     if hit is not None and hit[0] is rule:
         _block_masks.move_to_end(key)
@@ -307,12 +254,12 @@ def block_mask_for(
         partial_idx,
         full,
         full_idx,
-        BLOCK_SIZE=FLEX_BLOCK,
+        BLOCK_SIZE=policy.flex_block,
         mask_mod=_predicate(rule, B, H, T, S),
         seq_lengths=(T, S),
     )
     _block_masks[key] = (rule, block)
-    while len(_block_masks) > BLOCK_MASK_CACHE_SIZE:
+    while len(_block_masks) > policy.block_mask_cache_size:
         _block_masks.popitem(last=False)
     return block
 
@@ -320,8 +267,8 @@ def block_mask_for(
 def _compiled_flex() -> Callable[..., Any]:
     """The compiled kernel, built once. ``dynamic=False``: inductor's dynamic-shape CPU flex
     template fails to compile in torch 2.13 (an undeclared ``cur_qSplitSize`` in the generated
-    C++, met after a second sequence length), so each new ``(T, S)`` compiles its own kernel;
-    past torch's recompile limit (8) dynamo runs flex_attention eagerly, slower but exact."""
+    C++, met after a second sequence length), so each new ``(T, S)`` compiles its own kernel,
+    up to ``Policy.flex_max_kernels`` (:func:`flex_attention_qkv` raises past it)."""
     if not _compiled:
         _compiled.append(torch.compile(flex_attention, dynamic=False))
     return _compiled[0]
@@ -372,7 +319,8 @@ def flex_attention_qkv(
     first = sig not in _compile_seconds and not torch.compiler.is_compiling()
     start = time.perf_counter()
     block = None if mask is None else block_mask_for(mask, B, H, T, S, query.device)
-    limits = {"recompile_limit": FLEX_MAX_KERNELS, "fail_on_recompile_limit_hit": True}
+    kernels = current_policy().flex_max_kernels
+    limits = {"recompile_limit": kernels, "fail_on_recompile_limit_hit": True}
     try:
         with torch._dynamo.config.patch(limits):
             out = _compiled_flex()(
@@ -381,7 +329,7 @@ def flex_attention_qkv(
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         _state["exhausted"] = True
         raise FlexKernelsExhaustedError(
-            f"flex has compiled {FLEX_MAX_KERNELS} kernels in this process"
+            f"flex has compiled {kernels} kernels in this process"
         ) from err
     if first:
         _compile_seconds[sig] = time.perf_counter() - start

@@ -20,81 +20,34 @@ at the edge and patches the two places where results would differ:
   gradients come instead from :class:`_ExactBackward`, which recomputes the reference formula
   in its backward (O(T · S) memory there, as the reference backend). Under torch.compile /
   export, with dropout, on other devices, or when the recomputed ``[B, H, T, S]`` scores would
-  exceed :data:`EXACT_BACKWARD_MAX_BYTES` (long sequences, where SDPA's O(T) memory matters
-  more), SDPA's own backward is kept. Inside :func:`allow_sdpa_backward` (the user's opt-in),
+  exceed :attr:`Policy.exact_backward_max_bytes <qkv.backends.policy.Policy>` (long sequences,
+  where SDPA's O(T) memory matters more), SDPA's own backward is kept. Inside
+  :func:`~qkv.backends.policy.allow_sdpa_backward` (the user's opt-in),
   SDPA's own backward is kept on CPU too: faster, less exact.
 
 Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated by
-:mod:`qkv.attention`.
+:mod:`qkv.functional`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.backends.policy import current_policy
 from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
 from qkv.masks import Align, causal_mask
-from qkv.switches import Switch
 
 __all__ = [
-    "EXACT_GRAD_BLOCKWISE_MIN_PAIRS",
-    "allow_sdpa_backward",
     "blockwise_trains_faster",
     "exact_backward_possible",
     "exact_backward_size_ok",
     "fused_attention",
-    "sdpa_backward_allowed",
-    "set_sdpa_backward_allowed",
     "uses_sdpa_is_causal",
 ]
-
-_SDPA_BACKWARD = Switch("allowed")
-
-
-def set_sdpa_backward_allowed(allowed: bool) -> None:
-    """Let CPU calls that need a gradient train through SDPA's own backward (process-wide).
-
-    Args:
-        allowed: True to allow it, False (the default state) for qkv's exact gradients.
-
-    Raises:
-        TypeError: ``allowed`` is not a bool.
-    """
-    _SDPA_BACKWARD.set(allowed)
-
-
-def sdpa_backward_allowed() -> bool:
-    """Whether CPU calls may train through SDPA's own backward now (:func:`allow_sdpa_backward`)."""
-    return _SDPA_BACKWARD.on
-
-
-@contextmanager
-def allow_sdpa_backward(allowed: bool = True) -> Iterator[None]:
-    """Within the block, calls that need a gradient on CPU keep SDPA's own backward.
-
-    By default qkv's CPU gradients are exact (within 2x a naive float32 formula's error): where
-    SDPA's CPU backward would run, the call takes blockwise's exact tiled backward, or fused's
-    recomputing one. SDPA's backward is faster at short lengths (fwd+bwd at L=1024 measured
-    1.3-1.4x faster than through blockwise) but less exact: its dv error measured up to 15x,
-    and its dq / dk error up to 4.4x, a naive float32 formula's (``benchmarks/float32_error.py``,
-    300 cases, its ``sdpa-backward`` line). The choice is made when the forward runs, so the block
-    must hold the forward, not only ``backward()``.
-
-    Args:
-        allowed: the state inside the block (False restores exact gradients inside an outer
-            ``allow_sdpa_backward``).
-
-    Raises:
-        TypeError: ``allowed`` is not a bool.
-    """
-    with _SDPA_BACKWARD.scoped(allowed):
-        yield
 
 
 def _python_bool(x: object) -> bool:
@@ -123,17 +76,6 @@ def uses_sdpa_is_causal(
     return _python_bool(is_causal and mask is None and attn_bias is None and aligned)
 
 
-EXACT_BACKWARD_MAX_BYTES = 256 * 2**20
-"""Above this, the exact backward's ~4 ``[B, H, T, S]`` tensors (scores, probabilities, their
-gradients) cost more memory than its precision is worth, and SDPA's backward runs instead."""
-
-
-EXACT_GRAD_BLOCKWISE_MIN_PAIRS = 64 * 64
-"""From this many query-key pairs, a CPU call that needs a gradient runs faster on blockwise
-than on the exact backward below (measured fwd+bwd, 2 threads: 14.9 vs 18.8 ms at B=16, H=4,
-T=S=128; 5.4 vs 7.2 ms at B=1, H=8, T=S=256; 78 vs 201 ms at T=S=1024; about even at 32)."""
-
-
 def blockwise_trains_faster(
     query: Tensor,
     key: Tensor,
@@ -146,28 +88,30 @@ def blockwise_trains_faster(
     is faster: the dispatcher and the reductions then run blockwise instead."""
     B, H, T, _ = query.shape
     S = key.shape[2]
-    # Shape comparisons last: under torch.export / compile the first test is False, and a
-    # comparison of symbolic lengths would add a guard on them.
+    pairs = T * S
+    # Shape comparisons last: under torch.export / compile exact_backward_possible is False,
+    # and a comparison of symbolic lengths would add a guard on them.
     return (
-        exact_backward_possible(query.device, dropout_p, training)
-        and torch.is_grad_enabled()
+        torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
-        and T * S >= EXACT_GRAD_BLOCKWISE_MIN_PAIRS
+        and exact_backward_possible(query.device, dropout_p, training)
+        and pairs >= current_policy().exact_grad_blockwise_min_pairs
         and exact_backward_size_ok(B, H, T, S, query.element_size())
     )
 
 
 def exact_backward_size_ok(B: int, H: int, T: int, S: int, element_size: int) -> bool:
     """Whether a ``[B, H, T, S]`` call is small enough for :class:`_ExactBackward`."""
-    return 4 * B * H * T * S * element_size <= EXACT_BACKWARD_MAX_BYTES
+    return 4 * B * H * T * S * element_size <= current_policy().exact_backward_max_bytes
 
 
 def exact_backward_possible(device: torch.device, dropout_p: float, training: bool) -> bool:
     """Whether a call that needs a gradient takes :class:`_ExactBackward` when small enough:
-    on CPU, eagerly, without active dropout, outside :func:`allow_sdpa_backward` (the
-    dispatcher asks this too)."""
+    on CPU, eagerly, without active dropout, outside
+    :func:`~qkv.backends.policy.allow_sdpa_backward` (the
+    planner asks this too)."""
     return (
-        not _SDPA_BACKWARD.on
+        not current_policy().allow_sdpa_backward
         and (dropout_p == 0.0 or not training)
         and device.type == "cpu"
         and not torch.compiler.is_compiling()
@@ -190,38 +134,25 @@ def fused_attention(
     """Attention through SDPA; see :func:`qkv.attention` for the contract.
 
     Args:
-        query: ``[B, H, T, Dh]``.
-        key: ``[B, Hkv, S, Dh]`` with ``H % Hkv == 0``.
-        value: ``[B, Hkv, S, Dv]``.
-        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked, or None.
-        attn_bias: float broadcastable to ``[B, H, T, S]``, or None.
+        query, key, value: ``[B, H, T, Dh]``, ``[B, Hkv, S, Dh]``, ``[B, Hkv, S, Dv]``.
+        mask, attn_bias: bool (True = blocked) and float, broadcastable to ``[B, H, T, S]``,
+            or None.
         is_causal: also block future keys, aligned as ``causal_align`` says.
         scale: multiplies the scores.
-        dropout_p: dropout on the weights (only when ``training``).
-        training: apply dropout.
-        causal_align: ``"bottom_right"`` (qkv's default: the last query sees every key) or
-            ``"top_left"`` (query ``i`` sees keys ``0..i``: SDPA's own flag, for any lengths;
-            the reductions' causal pieces use it).
+        dropout_p, training: dropout on the weights, applied only when ``training``.
+        causal_align: ``"bottom_right"`` (qkv's default) or ``"top_left"`` (query ``i`` sees
+            keys ``0..i``: SDPA's own flag for any lengths; the reductions' causal pieces).
 
     Returns:
         Output ``[B, H, T, Dv]`` in the input dtype; rows with every key blocked are 0.
     """
-    B, H, T, _ = query.shape
-    exact = (  # False with grad mode off, hence inside _ExactBackward.forward itself
-        exact_backward_size_ok(B, H, T, key.shape[2], query.element_size())
-        and exact_backward_possible(query.device, dropout_p, training)
-        and torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
-    )
-    if exact:
-        out = _ExactBackward.apply(
+    if _exact(query, key, value, attn_bias, dropout_p, training):
+        return _ExactBackward.apply(  # [B, H, T, Dv]
             query, key, value, attn_bias, mask, is_causal, scale, causal_align
         )
-        assert isinstance(out, Tensor)
-        return out
     out_dtype = query.dtype
     work = compute_dtype(out_dtype)
-    S = key.shape[2]
+    T, S = query.shape[2], key.shape[2]
     sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal, causal_align)
     if is_causal and not sdpa_causal:
         mask = _with_causal(mask, T, S, query.device, causal_align)  # [B|1, H|1, T, S]
@@ -233,18 +164,11 @@ def fused_attention(
         dead = mask.all(dim=-1, keepdim=True)  # [B|1, H|1, T|1, 1]
         mask = mask & ~dead  # [B|1, H|1, T, S]: SDPA sees dead rows unblocked
     with torch.autocast(device_type=query.device.type, enabled=False):
-        attn_mask: Tensor | None = None
-        if attn_bias is not None:
-            attn_mask = attn_bias.to(work)  # [B|1, H|1, T|1, S|1]
-            if mask is not None:
-                attn_mask = attn_mask.masked_fill(mask, float("-inf"))  # [B|1, H|1, T, S]
-        elif mask is not None:
-            attn_mask = ~mask  # [B|1, H|1, T, S], SDPA's True = may attend
         out = F.scaled_dot_product_attention(
             query.to(work),
             k.to(work),
             v.to(work),
-            attn_mask=attn_mask,
+            attn_mask=_sdpa_mask(mask, attn_bias, work),
             dropout_p=dropout_p if training else 0.0,
             is_causal=sdpa_causal,
             scale=scale,
@@ -253,6 +177,36 @@ def fused_attention(
         if dead is not None:
             out = torch.where(dead, 0.0, out)  # [B, H, T, Dv]; 1.5x faster than masked_fill
     return out.to(out_dtype)
+
+
+def _exact(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_bias: Tensor | None,
+    dropout_p: float,
+    training: bool,
+) -> bool:
+    """Whether this call's gradient comes from :class:`_ExactBackward` (False with grad mode
+    off, hence inside ``_ExactBackward.forward`` itself)."""
+    B, H, T, _ = query.shape
+    return (
+        torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        and exact_backward_possible(query.device, dropout_p, training)
+        and exact_backward_size_ok(B, H, T, key.shape[2], query.element_size())
+    )
+
+
+def _sdpa_mask(mask: Tensor | None, attn_bias: Tensor | None, work: torch.dtype) -> Tensor | None:
+    """SDPA's ``attn_mask``: the bias with ``-inf`` where blocked, or the bool mask inverted
+    (SDPA's True = may attend), or None."""
+    if attn_bias is not None:
+        attn_mask = attn_bias.to(work)  # [B|1, H|1, T|1, S|1]
+        if mask is not None:
+            attn_mask = attn_mask.masked_fill(mask, float("-inf"))  # [B|1, H|1, T, S]
+        return attn_mask
+    return None if mask is None else ~mask  # [B|1, H|1, T, S]
 
 
 class _ExactBackward(torch.autograd.Function):

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from qkv.backends.shared import share_plans
 from qkv.checks import check_nonnegative_int
 from qkv.dropout import Dropout
 from qkv.models.beam import check_beam_options
@@ -203,8 +204,9 @@ class DecoderOnlyLM(nn.Module):
                 ``pad_id`` is set, else no padding. Padding keys stay blocked in the cache.
             kv_cache: a :class:`KVCache` from :meth:`new_cache` for incremental decoding.
             cache: deprecated spelling of ``kv_cache`` (one release).
-            validate: check the id values (a host sync per call); False, or tracing /
-                compiling, skips it (see :func:`qkv.checks.checks_values`).
+            validate: check the id values (a host sync per call) and each attention output
+                for a float32 overflow (see :func:`qkv.backends.shared.share_plans`); False,
+                or tracing / compiling, skips both (see :func:`qkv.checks.checks_values`).
             logits_to_keep: the logits of the last this many positions only (``transformers``'
                 argument of that name; 0: all). A prompt's prefill needs the last one: the head
                 over every position would cost ``T * D * V`` multiply-adds for nothing.
@@ -228,9 +230,10 @@ class DecoderOnlyLM(nn.Module):
         x = self.embed(ids)  # [B, T, D]
         x, pos = position_inputs(self.positional, x, offset, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]
-        x = self.blocks(
-            x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
-        )  # [B, T, D]
+        with share_plans(validate=validate):  # the layers share one attention plan
+            x = self.blocks(
+                x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
+            )  # [B, T, D]
         return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
 
     @torch.no_grad()

@@ -1,7 +1,10 @@
 """Stacks of N layers with an optional final norm, and the bare encoder–decoder body.
 
 The layers are injected (built by the model or by a converter), so a stack only loops:
-layer ``i`` gets ``layer_idx=i`` for its slot in a :class:`~qkv.nn.kv_cache.KVCache`.
+layer ``i`` gets ``layer_idx=i`` for its slot in a :class:`~qkv.nn.kv_cache.KVCache`. The loop
+runs inside :func:`~qkv.backends.shared.share_plans`: the layers attend with the same mask over
+inputs of the same shapes, so the first layer's attention plan serves them all (one plan, and
+at most one host sync for a padding mask, per forward instead of one per layer).
 :class:`Encoder`, :class:`Decoder` and :class:`EncoderDecoder` take ``nn.TransformerEncoder``,
 ``nn.TransformerDecoder`` and ``nn.Transformer``'s calls (positional order, mask senses, no
 implicit causal mask, the layers' ``batch_first``), so that :mod:`qkv.convert.torch_transformer`
@@ -19,6 +22,7 @@ from typing import Unpack
 import torch
 from torch import Tensor, nn
 
+from qkv.backends.shared import share_plans
 from qkv.nn.extras import DecoderExtras, EncoderExtras
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 
@@ -53,10 +57,11 @@ class Encoder(nn.Module):
         a causal ``mask`` blocks the same keys either way. Returns the input's shape.
         """
         x = src
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x, mask, src_key_padding_mask, bool(is_causal), **extras, layer_idx=i
-            )  # [B, T, D]
+        with share_plans():
+            for i, layer in enumerate(self.layers):
+                x = layer(
+                    x, mask, src_key_padding_mask, bool(is_causal), **extras, layer_idx=i
+                )  # [B, T, D]
         return x if self.norm is None else self.norm(x)
 
 
@@ -92,19 +97,20 @@ class Decoder(nn.Module):
         Returns the target's shape.
         """
         x = tgt
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x,
-                memory,
-                tgt_mask,
-                memory_mask,
-                tgt_key_padding_mask,
-                memory_key_padding_mask,
-                bool(tgt_is_causal),
-                memory_is_causal,
-                **extras,
-                layer_idx=i,
-            )  # [B, T, D]
+        with share_plans():
+            for i, layer in enumerate(self.layers):
+                x = layer(
+                    x,
+                    memory,
+                    tgt_mask,
+                    memory_mask,
+                    tgt_key_padding_mask,
+                    memory_key_padding_mask,
+                    bool(tgt_is_causal),
+                    memory_is_causal,
+                    **extras,
+                    layer_idx=i,
+                )  # [B, T, D]
         return x if self.norm is None else self.norm(x)
 
 

@@ -1,0 +1,119 @@
+"""A stack plans its attention once per forward: host syncs counted with a dispatch mode.
+
+A host sync is what makes the CPU wait for an accelerator: reading a tensor's value
+(``aten._local_scalar_dense``: ``.item()``, ``bool(t)``), copying it to the host
+(``aten._to_copy`` to the CPU: ``.tolist()`` of a planner's read, see
+:func:`qkv.backends.reads.host_list`), or an op whose output shape depends on values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import qkv
+from qkv.backends import plan as planning
+
+_DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.unique_consecutive.default}
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts the ops of a block that would make the host wait for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device(
+            "cpu"
+        )
+        if func is torch.ops.aten._local_scalar_dense.default or to_host or func in _DATA_DEPENDENT:
+            self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _model() -> qkv.DecoderOnlyLM:
+    torch.manual_seed(0)
+    config = qkv.DecoderOnlyConfig(
+        vocab_size=50, d_model=32, num_heads=4, num_layers=4, max_positions=64
+    )
+    return qkv.DecoderOnlyLM(config).eval()
+
+
+def _padding() -> torch.Tensor:
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, 11:] = True  # [B, T]: the second row is 11 tokens long
+    return pad
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_forward_syncs_once_with_padding_and_never_without(grad: bool) -> None:
+    model = _model()
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.set_grad_enabled(grad):
+        with CountSyncs() as none:
+            model(ids, validate=False)
+        with CountSyncs() as padded:
+            model(ids, _padding(), validate=False)
+    assert none.syncs == []
+    # The padding's live lengths, read once by the first layer's plan; 4 layers reuse it.
+    assert padded.syncs == ["aten._to_copy.default"]
+
+
+def test_the_layers_share_the_first_layers_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[planning.Plan] = []
+    real = planning.make_plan
+
+    def counting(*args: Any, **kwargs: Any) -> planning.Plan:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(planning, "make_plan", counting)
+    monkeypatch.setattr(qkv.backends.shared, "make_plan", counting)
+    model = _model()
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        shared = model(ids, _padding())
+        assert len(made) == 1 and made[0].pieces is not None  # 4 layers, one plan
+        # the same logits as layers planning one by one
+        monkeypatch.setattr(qkv.backends.shared, "_scope", _NoScope())
+        made.clear()
+        unshared = model(ids, _padding())
+        assert len(made) == 4
+    torch.testing.assert_close(shared, unshared, atol=0, rtol=0)
+
+
+class _NoScope:
+    """A stand-in for the scope variable that never holds a scope: every call plans."""
+
+    def get(self) -> None:
+        return None
+
+    def set(self, value: object) -> object:
+        return None
+
+    def reset(self, token: object) -> None:
+        return None
+
+
+def test_validate_false_skips_only_the_overflow_look() -> None:
+    """Issue 27's overflow retry still runs by default; validate=False (one scope) skips it."""
+    q = torch.full((1, 1, 2, 4), 1e19)
+    with torch.no_grad():
+        out, _ = qkv.attention(q, q, q)
+        assert torch.isfinite(out).all()
+        with qkv.backends.shared.share_plans(validate=False), CountSyncs() as c:
+            unchecked, _ = qkv.attention(q, q, q)
+        assert c.syncs == [] and torch.isnan(unchecked).any()
+        with qkv.backends.shared.share_plans(validate=False), qkv.backends.shared.share_plans():
+            assert not qkv.backends.shared.values_checked()  # None keeps the outer setting
+    with (
+        pytest.raises(TypeError, match="validate must be a bool"),
+        qkv.backends.shared.share_plans(validate=1),  # type: ignore[arg-type]
+    ):
+        pass
