@@ -225,8 +225,8 @@ def test_bad_checkpoints_are_named(tmp_path: Path) -> None:
     root = _saved(_llama(0, 2, False), tmp_path)
     cfg = json.loads((root / "config.json").read_text())
     weights = load_file(root / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model_type='t5' is not supported"):
-        load_hf(_rewrite(root, config={**cfg, "model_type": "t5"}))
+    with pytest.raises(ValueError, match=r"model_type='opt' is not supported"):
+        load_hf(_rewrite(root, config={**cfg, "model_type": "opt"}))
     with pytest.raises(ValueError, match=r"model_type='gptj' is not supported"):
         load_hf(_rewrite(root, config={**cfg, "model_type": "gptj"}))  # interleaved, partial RoPE
     assert load_hf(_rewrite(root, config=cfg)).config.rope_layout == "half_split"
