@@ -285,6 +285,10 @@ class Transformer(nn.Module):
             length_penalty: beam search ranks finished hypotheses by
                 ``sum log p / length ** length_penalty``.
 
+        The config's ``forced_bos_id`` / ``forced_eos_id`` (read from a checkpoint by
+        :func:`qkv.convert.load_hf`) force the first / the last of ``max_new_tokens`` tokens, as
+        ``transformers`` does.
+
         Returns:
             long ``[B, L]``, ``L <= 1 + max_new_tokens``: ``bos_id``, the tokens, ``eos_id`` (kept)
             when produced; rows that finished early are right-padded with ``pad_id``.

@@ -6,6 +6,7 @@ from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.stacks import Decoder, Encoder, EncoderDecoder
+from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = [
     "Decoder",
@@ -17,4 +18,5 @@ __all__ = [
     "FeedForward",
     "KVCache",
     "MultiHeadAttention",
+    "StaticKVCache",
 ]

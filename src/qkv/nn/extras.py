@@ -29,7 +29,8 @@ class _SelfAttentionInputs(TypedDict, total=False):
         rope: ``(cos, sin)``, each ``[T, Dh]`` (or ``[B, 1, T, Dh]``, one row of positions per
             batch row), rotary tables for the query positions.
         kv_cache: decode incrementally: keys/values of earlier tokens come from the cache
-            (cross-attention ones are computed once); masks then cover ``S`` = cached + new keys.
+            (cross-attention ones are computed once); masks then cover ``S`` = cached + new keys
+            (a :class:`~qkv.nn.static_kv_cache.StaticKVCache`: all ``C`` slots).
     """
 
     rope: tuple[Tensor, Tensor] | None
