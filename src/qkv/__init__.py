@@ -15,10 +15,12 @@ Public API::
     qkv.Transformer(qkv.TransformerConfig(...))               # encoder-decoder model
     qkv.DecoderOnlyLM(qkv.DecoderOnlyConfig(...))             # GPT-style causal LM
     qkv.KVCache                                               # keys/values for decoding
+    with qkv.doctor.watch(model) as report: model(...)        # attention bugs in any model
+    qkv.doctor.examine(model, input_ids, attention_mask)      # a model's invariances
 
 Subpackages load on first use, so ``import qkv`` stays light: ``qkv.nn`` (building blocks),
-``qkv.models``, ``qkv.convert`` (torch.nn / Hugging Face weights), ``qkv.train``, ``qkv.apps``
-(the command line), ``qkv.backends``. docs/ARCHITECTURE.md shows the layers.
+``qkv.models``, ``qkv.convert`` (torch.nn / Hugging Face weights), ``qkv.doctor`` (other
+people's attention), ``qkv.train``, ``qkv.apps`` (the command line), ``qkv.backends``. docs/ARCHITECTURE.md shows the layers.
 """
 
 from __future__ import annotations
