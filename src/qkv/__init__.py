@@ -20,7 +20,8 @@ Public API::
 
 Subpackages load on first use, so ``import qkv`` stays light: ``qkv.nn`` (building blocks),
 ``qkv.models``, ``qkv.convert`` (torch.nn / Hugging Face weights), ``qkv.doctor`` (other
-people's attention), ``qkv.train``, ``qkv.apps`` (the command line), ``qkv.backends``. docs/ARCHITECTURE.md shows the layers.
+people's attention), ``qkv.train``, ``qkv.apps`` (the command line), ``qkv.backends``.
+docs/ARCHITECTURE.md shows the layers.
 """
 
 from __future__ import annotations
