@@ -32,8 +32,17 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _times(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds): CPU time is what the doctor adds, and other
+    jobs on a shared machine move it far less than wall time."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
 def measure(name: str, run: Callable[[], object], model: torch.nn.Module, repeats: int) -> None:
-    """Print the median of ``repeats`` interleaved unwatched / watched runs and their ratio."""
+    """Print the medians of ``repeats`` interleaved unwatched / watched runs and their ratios,
+    in wall time and in CPU time."""
 
     def watched() -> None:
         with doctor.watch(model) as report:
@@ -44,10 +53,15 @@ def measure(name: str, run: Callable[[], object], model: torch.nn.Module, repeat
     watched()
     plain, inside = [], []
     for _ in range(repeats):
-        plain.append(_time(run))
-        inside.append(_time(watched))
-    p, w = statistics.median(plain), statistics.median(inside)
-    print(f"| {name} | {p * 1e3:.1f} ms | {w * 1e3:.1f} ms | {w / p:.2f}x |", flush=True)
+        plain.append(_times(run))
+        inside.append(_times(watched))
+    pw, pc = (statistics.median(t[i] for t in plain) for i in (0, 1))
+    ww, wc = (statistics.median(t[i] for t in inside) for i in (0, 1))
+    print(
+        f"| {name} | {pw * 1e3:.1f} ms | {ww * 1e3:.1f} ms | {ww / pw:.2f}x "
+        f"| {pc * 1e3:.1f} ms | {wc * 1e3:.1f} ms | {wc / pc:.2f}x |",
+        flush=True,
+    )
 
 
 def bert_case(batch: int, length: int, layers: int, width: int, heads: int):
@@ -148,7 +162,10 @@ def main() -> None:
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"{args.threads} threads, median of {repeats}"
     )
-    print("| case | unwatched | watched | ratio |\n|---|---|---|---|")
+    print(
+        "| case | wall, unwatched | wall, watched | ratio | CPU, unwatched | CPU, watched "
+        "| ratio |\n|---|---|---|---|---|---|---|"
+    )
     if args.quick:
         bert = bert_case(batch=2, length=128, layers=2, width=256, heads=4)
         llama = llama_decode_case(batch=2, cached=128, layers=2, width=256)
