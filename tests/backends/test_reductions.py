@@ -5,7 +5,7 @@ sentences :func:`qkv.explain_backend` makes of them."""
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import qkv
@@ -167,7 +167,6 @@ def test_a_reduction_for_another_grid_is_refused() -> None:
         reduced_attention(q, k, v, red, None, scale=0.5, dropout_p=0.0, training=False)
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     B=st.integers(1, 3),
     T=st.integers(1, 12),
@@ -401,7 +400,6 @@ def test_band_needs_to_be_allowed_and_to_pay() -> None:
     assert qkv.plan(*xs, mask=SlidingWindow(64)).pieces is None
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     B=st.integers(1, 3),
     T=st.integers(1, 14),
