@@ -1,7 +1,11 @@
 """The benchmark table runs end to end (tiny sizes; speed is measured only in benchmarks/)."""
 
-from qkv.apps.bench import CASES, SDPA_BACKWARD, format_table, run_benchmarks
-from qkv.apps.cli import build_parser
+from typing import Any
+
+import pytest
+
+from qkv.apps import cli
+from qkv.apps.bench import CASES, SDPA_BACKWARD, Row, format_table, run_benchmarks
 
 
 def test_table_has_every_case_side_by_side() -> None:
@@ -41,6 +45,20 @@ def test_compile_adds_flex_peer_forward_only_on_cpu_and_qkv_with_compile_allowed
     assert any("compiled flex_attention's first call" in n for n in notes)
 
 
-def test_cli_has_bench() -> None:
-    args = build_parser().parse_args(["bench", "--quick", "--repeats", "1", "--cases", "none"])
-    assert args.quick and args.repeats == 1 and args.cases == ["none"]
+def test_cli_bench_passes_its_options_and_prints_the_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def tiny(**kwargs: Any) -> tuple[list[Row], float, list[str]]:
+        seen.update(kwargs)  # then a real run, shrunk to fit a unit test
+        return run_benchmarks(repeats=1, shrink=64, lengths=(1024,), cases=kwargs["cases"])
+
+    monkeypatch.setattr(cli, "run_benchmarks", tiny)
+    assert cli.main(["bench", "--quick", "--repeats", "3", "--cases", "none"]) == 0
+    assert seen["quick"] is True and seen["repeats"] == 3 and seen["cases"] == ["none"]
+    assert seen["lengths"] is None and seen["compile"] is False and seen["device"] == "cpu"
+    table = capsys.readouterr().out
+    assert "| none " in table and "qkv auto" in table
+    with pytest.raises(SystemExit):  # an unknown mask is refused by name, before any run
+        cli.build_parser().parse_args(["bench", "--cases", "nope"])

@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import qkv
@@ -149,7 +149,6 @@ def test_low_precision_error_at_most_twice_naive(backend: str, dtype: torch.dtyp
     assert err <= 2 * naive_err, (float(err), float(naive_err))
 
 
-@settings(max_examples=25, deadline=None)
 @given(
     t=st.integers(1, 20),
     s=st.integers(1, 20),

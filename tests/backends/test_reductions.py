@@ -5,7 +5,7 @@ sentences :func:`qkv.explain_backend` makes of them."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import qkv
@@ -167,7 +167,6 @@ def test_a_reduction_for_another_grid_is_refused() -> None:
         reduced_attention(q, k, v, red, None, scale=0.5, dropout_p=0.0, training=False)
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     B=st.integers(1, 3),
     T=st.integers(1, 12),
@@ -188,6 +187,7 @@ def test_any_combination_matches_the_reference(
     docs: bool,
     data: st.DataObject,
 ) -> None:
+    assume(causal is not None or padding or docs)  # no mask at all is not a combination
     parts: list[StructuredMask] = []
     if causal in ("bottom_right", "top_left"):
         parts.append(Causal(align=causal))  # type: ignore[arg-type]
@@ -203,8 +203,6 @@ def test_any_combination_matches_the_reference(
             return torch.tensor(steps).reshape(B, n).cumsum(dim=1)  # sorted ids [B, n]
 
         parts.append(Documents(ids(T), ids(S)))
-    if not parts:
-        return
     mask = parts[0] if len(parts) == 1 else parts[0] | parts[1]
     for p in parts[2:]:
         mask = mask | p
@@ -402,7 +400,6 @@ def test_band_needs_to_be_allowed_and_to_pay() -> None:
     assert qkv.plan(*xs, mask=SlidingWindow(64)).pieces is None
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     B=st.integers(1, 3),
     T=st.integers(1, 14),
@@ -447,8 +444,8 @@ def test_any_band_matches_the_reference(
             mask = mask | Documents(ids(T), ids(S))
         xs = [x.detach() for x in _inputs(B, 4, 2, T, S)]
         red = reduce_mask(mask, B, 4, T, S, band=True)
-        if red is None:
-            return
+        assume(red is not None)  # no band cut for this mask: nothing to compare
+        assert red is not None
         got = reduced_attention(*xs, red, None, scale=0.25, dropout_p=0.0, training=False)
         want, _ = qkv.attention(*xs, mask=mask, backend="reference", scale=0.25)
         torch.testing.assert_close(got, want, **TOL64)

@@ -132,7 +132,10 @@ def test_combine() -> None:
 def test_round_trips() -> None:
     blocked = torch.rand(B, H, T, S) > 0.5
     assert torch.equal(masks.from_sdpa_bool(masks.to_sdpa_bool(blocked)), blocked)
-    assert torch.equal(masks.from_mha_bool(masks.to_mha_bool(blocked)), blocked)
+    # MHA's bool sense (True = ignore) is the opposite of SDPA's (True = may attend); a round
+    # trip of the MHA pair would pass for any two inverse functions, so compare senses instead
+    assert torch.equal(masks.to_mha_bool(blocked), ~masks.to_sdpa_bool(blocked))
+    assert torch.equal(masks.from_mha_bool(blocked), masks.from_sdpa_bool(~blocked))
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         assert torch.equal(masks.from_additive(masks.to_additive(blocked, dtype)), blocked)
     pad = masks.padding_mask(torch.tensor([6, 2]), S)
@@ -203,4 +206,6 @@ def test_mha_masks_in_nn_multihead_attention(form: str) -> None:
         out, w = mine(x, mask=masks.combine(blocked_pad, blocked_causal))
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
-    assert torch.equal(masks.from_mha_bool(masks.to_mha_bool(blocked_pad)), blocked_pad)
+    # and back: torch's own key_padding_mask (True = ignore), built by hand, reads as padding
+    torch_kpm = torch.arange(T) >= torch.tensor([4, 2])[:, None]  # [B, T]
+    assert torch.equal(masks.from_mha_bool(torch_kpm)[:, None, None, :], blocked_pad)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from qkv.masks import (
@@ -97,7 +97,6 @@ def test_documents_and_mask_mod_materialize() -> None:
     )
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     T=st.integers(1, 12),
     S=st.integers(1, 12),

@@ -24,9 +24,15 @@ def test_round_trip_through_json() -> None:
 
 
 def test_frozen() -> None:
+    # a config is checked once, in __post_init__: it must not be changed afterwards, and a
+    # changed copy (dataclasses.replace) is checked again
     cfg = DecoderOnlyConfig(vocab_size=5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.d_model = 3  # type: ignore[misc]
+    assert cfg.d_model != 3
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        dataclasses.replace(cfg, d_model=cfg.num_heads * 8 + 1)
+    assert dataclasses.replace(cfg, vocab_size=7).vocab_size == 7
 
 
 def test_unknown_key_is_named() -> None:

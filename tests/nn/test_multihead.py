@@ -108,8 +108,17 @@ def test_fully_padded_sample_gives_zero_attention() -> None:
 def test_record_weights_keeps_per_head_weights() -> None:
     mha = MultiHeadAttention(8, 2).eval()
     mha.record_weights = True
-    _, w = mha(torch.randn(2, 3, 8), need_weights=False)
-    assert w is None and mha.last_weights is not None and mha.last_weights.shape == (2, 2, 3, 3)
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    H, Dh = mha.num_heads, mha.head_dim
+    for inp in (x, y):  # each forward replaces the record with its own weights
+        _, w = mha(inp, need_weights=False)
+        assert w is None
+        kept = mha.last_weights
+        assert kept is not None and not kept.requires_grad
+        q = (inp @ mha.q_proj.weight.T + mha.q_proj.bias).double().view(2, 3, H, Dh)
+        k = (inp @ mha.k_proj.weight.T + mha.k_proj.bias).double().view(2, 3, H, Dh)
+        scores = torch.einsum("bthd,bshd->bhts", q, k) / Dh**0.5  # [B, H, T, S]
+        torch.testing.assert_close(kept.double(), scores.softmax(-1), atol=1e-6, rtol=1e-6)
 
 
 def test_dropout_only_in_training() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from qkv.models.config import POSITIONALS as MODEL_POSITIONALS
-from qkv.train.config import POSITIONALS, SCHEDULES, TASKS, TrainConfig
+from qkv.train.config import POSITIONALS, SCHEDULES, TASKS, TrainConfig, lr_at
 
 
 def test_literal_choices_match_what_they_name() -> None:
@@ -42,7 +42,9 @@ def test_bad_fields_are_named(field: str, value: Any, error: type, message: str)
 
 def test_edges_that_are_allowed() -> None:
     cfg = TrainConfig(min_lr_ratio=1.0, warmup_steps=0, dropout=0.0, grad_clip=0.0)
-    assert cfg.min_lr_ratio == 1.0  # a flat schedule after warmup
+    # min_lr_ratio=1 makes the cosine schedule flat, and no warmup starts at the full lr
+    assert cfg.schedule == "cosine"
+    assert [lr_at(s, cfg) for s in range(cfg.steps)] == [cfg.lr] * cfg.steps
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
