@@ -13,8 +13,15 @@ from torch import Tensor, nn
 
 from qkv.checks import check_bool, check_positive_int
 from qkv.functional import Backend, attention
-from qkv.masks import Dense, StructuredMask, combine
-from qkv.masks.convert import reshape_mha_attn_mask
+from qkv.masks import StructuredMask
+from qkv.nn.mha_call import (
+    WEIGHTLESS_BACKENDS,
+    batch_first_inputs,
+    check_flags,
+    merge_masks,
+    resolve_need_weights,
+    torch_outputs,
+)
 from qkv.nn.positional import apply_rotary
 
 if TYPE_CHECKING:
@@ -23,11 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["WEIGHTLESS_BACKENDS", "MultiHeadAttention"]
 
-WEIGHTLESS_BACKENDS = ("fused", "blockwise", "flex")
-"""Backends that compute no ``[B, H, T, S]`` weights; a module built for one defaults to
-``need_weights=False``."""
-
-
 # nn.MultiheadAttention's packed keys -> qkv's, for the state-dict pre-hook
 _PACKED = ("in_proj_weight", "in_proj_bias")
 _SEPARATE = {
@@ -35,86 +37,6 @@ _SEPARATE = {
     "k_proj_weight": "k_proj.weight",
     "v_proj_weight": "v_proj.weight",
 }
-
-
-def _torch_mask(name: str, m: Tensor, B: int, H: int, S: int) -> Tensor:
-    """``nn.MultiheadAttention``'s mask shapes as 4-D, broadcastable to ``[B, H, T, S]``.
-
-    ``key_padding_mask``: ``[B, S]``. ``attn_mask``: ``[T, S]``, ``[B * H, T, S]``, or (qkv's
-    extension, which PyTorch refuses) any 4-D shape broadcastable to ``[B, H, T, S]``.
-    """
-    if not isinstance(m, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(m).__name__}")
-    if m.dtype != torch.bool and not m.is_floating_point():
-        raise TypeError(f"{name} must be bool (True = ignore) or additive float, got {m.dtype}")
-    if name == "key_padding_mask":
-        if tuple(m.shape) != (B, S):
-            raise ValueError(f"key_padding_mask must be [B, S] = [{B}, {S}], got {tuple(m.shape)}")
-        return m[:, None, None, :]  # [B, 1, 1, S]
-    if m.dim() == 4:
-        return m  # [B|1, H|1, T|1, S|1], qkv's extension
-    return reshape_mha_attn_mask(m, B, H)  # [1, 1, T, S] or [B, H, T, S]
-
-
-def _check_flags(**flags: bool | None) -> None:
-    """``forward``'s flags are bools (``need_weights`` may be None: the backend's default).
-
-    Raises:
-        TypeError: a flag that is not a bool, a tensor named as such (a mask passed where a flag
-            stands in the positional order).
-    """
-    for name, flag in flags.items():
-        if isinstance(flag, Tensor):
-            raise TypeError(
-                f"{name} must be a bool, got a Tensor; the positional order is "
-                f"nn.MultiheadAttention's (query, key, value, key_padding_mask, "
-                f"need_weights, attn_mask, average_attn_weights, is_causal)"
-            )
-        if flag is not None:
-            check_bool(name, flag)
-
-
-def _merge_masks(
-    torch_masks: dict[str, Tensor | None],
-    mask: Tensor | StructuredMask | None,
-    attn_bias: Tensor | None,
-    B: int,
-    H: int,
-    S: int,
-) -> tuple[Tensor | StructuredMask | None, Tensor | None]:
-    """PyTorch-style masks joined to qkv's: bool ones to ``mask``, float ones to ``attn_bias``.
-
-    Args:
-        torch_masks: ``key_padding_mask`` / ``attn_mask`` by name, in ``nn.MultiheadAttention``'s
-            shapes and senses (see :func:`_torch_mask`), or None.
-        mask: qkv's blocked mask (True = blocked) or a :mod:`qkv.masks` rule, or None.
-        attn_bias: float score bias broadcastable to ``[B, H, T, S]``, or None.
-        B: batch size.
-        H: heads.
-        S: key length.
-
-    Returns:
-        ``(blocked, attn_bias)`` for :func:`qkv.attention`; a rule keeps its structure, with the
-        bool PyTorch masks as a ``Dense`` part.
-
-    Raises:
-        TypeError / ValueError: as :func:`_torch_mask`.
-    """
-    blocked_parts: list[Tensor] = []
-    for name, m in torch_masks.items():
-        if m is None:
-            continue
-        m4 = _torch_mask(name, m, B, H, S)  # [B|1, H|1, T|1, S]
-        if m4.dtype == torch.bool:
-            blocked_parts.append(m4)
-        else:  # PyTorch adds a float mask to the scores: so does qkv
-            attn_bias = m4 if attn_bias is None else attn_bias + m4  # [B|1, H|1, T|1, S]
-    dense = combine(*blocked_parts)
-    if isinstance(mask, StructuredMask):
-        # keep the structure (blockwise skips its empty tiles); PyTorch-style masks join it
-        # as a dense part
-        return (mask if dense is None else mask | Dense(dense)), attn_bias
-    return combine(mask, dense), attn_bias
 
 
 def _load_torch_keys(
@@ -157,6 +79,53 @@ def _load_torch_keys(
     for torch_key, qkv_key in _SEPARATE.items():
         if prefix + torch_key in state_dict:
             state_dict[prefix + qkv_key] = state_dict.pop(prefix + torch_key)
+
+
+def _check_arguments(
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    kdim: int,
+    vdim: int,
+    dropout: float,
+    scale: float | None,
+    add_bias_kv: bool,
+    add_zero_attn: bool,
+) -> None:
+    """The constructor's sizes, rates and refused flags (see :class:`MultiHeadAttention`).
+
+    Raises:
+        TypeError: a size that is not an int, a flag that is not a bool.
+        ValueError: a non-positive size or scale, a width that does not divide, dropout
+            outside [0, 1], ``add_bias_kv`` or ``add_zero_attn`` set.
+    """
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
+    ):
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    for name, val in (
+        ("embed_dim", embed_dim),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("kdim", kdim),
+        ("vdim", vdim),
+    ):
+        check_positive_int(name, val)
+    if embed_dim % num_heads != 0:
+        raise ValueError(
+            f"embed_dim={embed_dim} is not divisible by num_heads={num_heads} "
+            f"({embed_dim} / {num_heads} = {embed_dim / num_heads:g})"
+        )
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must lie in [0, 1], got {dropout}")
+    for name, flag in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
+        if check_bool(name, flag):
+            raise ValueError(
+                f"{name}=True has no qkv equivalent (qkv attends only to the given keys); "
+                f"expected False"
+            )
 
 
 class MultiHeadAttention(nn.Module):
@@ -232,42 +201,26 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
-        ):
-            raise ValueError(f"scale must be a positive float or None, got {scale!r}")
-        for name, val in (
-            ("embed_dim", embed_dim),
-            ("num_heads", num_heads),
-            ("num_kv_heads", num_kv_heads),
-            ("kdim", embed_dim if kdim is None else kdim),
-            ("vdim", embed_dim if vdim is None else vdim),
-        ):
-            check_positive_int(name, val)
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim={embed_dim} is not divisible by num_heads={num_heads} "
-                f"({embed_dim} / {num_heads} = {embed_dim / num_heads:g})"
-            )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
-            )
-        if not 0.0 <= dropout <= 1.0:
-            raise ValueError(f"dropout must lie in [0, 1], got {dropout}")
-        for name, flag in (("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn)):
-            if check_bool(name, flag):
-                raise ValueError(
-                    f"{name}=True has no qkv equivalent (qkv attends only to the given keys); "
-                    f"expected False"
-                )
+        kdim = embed_dim if kdim is None else kdim
+        vdim = embed_dim if vdim is None else vdim
+        _check_arguments(
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            kdim,
+            vdim,
+            dropout,
+            scale,
+            add_bias_kv,
+            add_zero_attn,
+        )
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = embed_dim // num_heads
-        self.kdim = embed_dim if kdim is None else kdim
-        self.vdim = embed_dim if vdim is None else vdim
+        self.kdim = kdim
+        self.vdim = vdim
         self.dropout = dropout
         self.batch_first = check_bool("batch_first", batch_first)
         kv_width = num_kv_heads * self.head_dim
@@ -335,40 +288,6 @@ class MultiHeadAttention(nn.Module):
                 k, v = kv_cache.update(layer_idx, k, v)  # [B, Hkv, S_cached + S, Dh] x 2
         return k, v
 
-    def _check_input(self, name: str, x: object, width: int, rank: int) -> None:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.is_nested:
-            raise TypeError(
-                f"{name} is a nested tensor, which qkv.MultiHeadAttention does not take (build "
-                f"nn.TransformerEncoder with enable_nested_tensor=False)"
-            )
-        if x.dim() != rank or x.shape[-1] != width:
-            layout = {2: "[L, D] (unbatched)", 3: "[B, L, D]" if self.batch_first else "[L, B, D]"}
-            raise ValueError(f"{name} must be {layout[rank]} with D={width}, got {tuple(x.shape)}")
-
-    def _need_weights(self, need_weights: bool | None) -> bool:
-        """``need_weights`` resolved: None is True unless the backend returns no weights.
-
-        Raises:
-            ValueError: True with a backend that returns no weights.
-        """
-        weightless = self.backend in WEIGHTLESS_BACKENDS
-        if need_weights is None:
-            return not weightless
-        if need_weights and weightless:
-            raise ValueError(
-                f"need_weights=True, but this module was built with backend={self.backend!r}, "
-                "which returns no weights: call it with need_weights=False (or leave it unset), "
-                "or build it with backend='reference' or 'auto'"
-            )
-        return need_weights
-
-    def _to_batch_first(self, x: Tensor, unbatched: bool) -> Tensor:
-        if unbatched:
-            return x[None]  # [1, L, D]
-        return x if self.batch_first else x.transpose(0, 1)  # [B, L, D]
-
     def forward(
         self,
         query: Tensor,
@@ -393,77 +312,82 @@ class MultiHeadAttention(nn.Module):
             query: ``[B, T, D]`` (``[T, B, D]`` if not ``batch_first``; ``[T, D]`` unbatched).
             key: ``[B, S, kdim]``, same layout; default ``query``.
             value: ``[B, S, vdim]``, same layout; default ``key``.
-            key_padding_mask: ``[B, S]`` (``[S]`` unbatched), bool True = ignore, or float
-                added to the scores (``nn.MultiheadAttention``'s senses).
-            need_weights: return the attention weights. Default (None): True, as in
-                ``nn.MultiheadAttention``, unless the module was built for a backend that
-                cannot return them (``"fused"``, ``"blockwise"``): then False. True with such
-                a backend is a ValueError.
+            key_padding_mask: ``[B, S]`` (``[S]`` unbatched): bool True = ignore, float added.
+            need_weights: return the weights; default (None): True unless the backend returns
+                none (``WEIGHTLESS_BACKENDS``), where True is a ValueError.
             attn_mask: ``[T, S]`` or ``[B * H, T, S]`` (``[H, T, S]`` unbatched) like PyTorch,
-                or 4-D broadcastable to ``[B, H, T, S]``; bool True = ignore, or float added
-                to the scores.
-            average_attn_weights: average the weights over heads (``[B, T, S]``) or not
-                (``[B, H, T, S]``).
-            is_causal: block future keys (bottom-right aligned, see :func:`qkv.attention`);
-                with an ``attn_mask`` both apply (PyTorch treats it as a hint that the mask is
-                causal, which gives the same result when the hint is right).
-            mask: a mask in qkv's convention (True = blocked, broadcastable to
-                ``[B, H, T, S]``) or a :mod:`qkv.masks` object, combined with the
-                two above.
+                or 4-D broadcastable to ``[B, H, T, S]``; bool True = ignore, float added.
+            average_attn_weights: weights averaged over heads ``[B, T, S]``, or ``[B, H, T, S]``.
+            is_causal: block future keys (bottom-right aligned), also with an ``attn_mask``.
+            mask: qkv's mask (True = blocked) or a :mod:`qkv.masks` rule, joined to the above.
             attn_bias: float score bias broadcastable to ``[B, H, T, S]`` (ALiBi).
-            rope: ``(cos, sin)``, each ``[T, Dh]`` (or ``[B, 1, T, Dh]``: positions per row), for
-                the query positions: rotate queries and the new keys (self-attention only; see
-                :mod:`qkv.nn.positional`).
-            kv_cache: append the new keys/values to this cache (self-attention) or compute the
-                cross-attention keys/values once and reuse them (``cross=True``). ``S`` then
-                counts every cached key; masks must cover all of them.
+            rope: ``(cos, sin)``, each ``[T, Dh]`` or ``[B, 1, T, Dh]``, for the query positions:
+                rotate queries and new keys (self-attention; see :mod:`qkv.nn.positional`).
+            kv_cache: append the new keys/values (self-attention) or compute the cross-attention
+                ones once and reuse them (``cross=True``); ``S`` then counts every cached key.
             layer_idx: this layer's slot in ``kv_cache``.
-            cross: the keys/values come from a fixed source (encoder output) and are cached as
-                such.
+            cross: the keys/values come from a fixed source (encoder output), cached as such.
 
         Returns:
-            ``(output, weights or None)``: output in the query's layout, weights
-            ``[B, T, S]`` averaged or ``[B, H, T, S]`` (without the B dim when unbatched).
+            ``(output in the query's layout, weights as above or None)``, unbatched: no B dim.
 
         Raises:
-            TypeError: a non-tensor input, a nested tensor, a mask of another dtype, a flag that
-                is not a bool (e.g. a mask passed where ``need_weights`` stands).
+            TypeError: a non-tensor or nested input, a mask of another dtype, a non-bool flag.
             ValueError: wrong input widths or ranks, mismatched mask shapes.
         """
-        _check_flags(
-            need_weights=need_weights,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
-        key = query if key is None else key
-        value = key if value is None else value
-        unbatched = isinstance(query, Tensor) and query.dim() == 2
-        rank = 2 if unbatched else 3
-        self._check_input("query", query, self.embed_dim, rank)
-        self._check_input("key", key, self.kdim, rank)
-        self._check_input("value", value, self.vdim, rank)
-        query, key, value = (self._to_batch_first(x, unbatched) for x in (query, key, value))
-        if unbatched and key_padding_mask is not None:
-            key_padding_mask = key_padding_mask[None]  # [1, S]
-        B, T, _ = query.shape
-        S = key.shape[1]
-        if key.shape[0] != B or value.shape[:2] != key.shape[:2]:
-            raise ValueError(
-                f"query, key and value must share B (and key/value S): got query "
-                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
+        check_flags(need_weights, average_attn_weights, is_causal)
+        widths = (self.embed_dim, self.kdim, self.vdim)
+        query, key, value, key_padding_mask, unbatched = batch_first_inputs(
+            query, key, value, key_padding_mask, widths, self.batch_first
+        )  # [B, T, D], [B, S, kdim], [B, S, vdim]
         torch_masks = {"key_padding_mask": key_padding_mask, "attn_mask": attn_mask}
-        blocked, attn_bias = _merge_masks(torch_masks, mask, attn_bias, B, self.num_heads, S)
+        B, S = query.shape[0], key.shape[1]
+        blocked, attn_bias = merge_masks(torch_masks, mask, attn_bias, B, self.num_heads, S)
+        q, k, v = self._project(query, key, value, rope, kv_cache, layer_idx, cross)
+        out, weights = self._attend(q, k, v, blocked, attn_bias, is_causal, need_weights)
+        return torch_outputs(out, weights, average_attn_weights, unbatched, self.batch_first)
+
+    def _project(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        kv_cache: KVCache | StaticKVCache | None,
+        layer_idx: int,
+        cross: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values projected and split into heads, rotated, cached."""
         q = self._split(self.q_proj(query), self.num_heads)  # [B, H, T, Dh]
         k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
         if rope is not None:
             q = apply_rotary(q, *rope)  # [B, H, T, Dh]
+        return q, k, v  # [B, H, T, Dh], [B, Hkv, S, Dh] x 2
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        blocked: Tensor | StructuredMask | None,
+        attn_bias: Tensor | None,
+        is_causal: bool,
+        need_weights: bool | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """:func:`qkv.attention` on the heads, then the output projection.
+
+        Returns:
+            ``(output [B, T, D], weights [B, H, T, S] if need_weights else None)``.
+
+        Raises:
+            ValueError: ``need_weights=True`` with a backend that returns no weights.
+        """
+        need_weights = resolve_need_weights(need_weights, self.backend)
+        B, _, T, _ = q.shape
         if is_causal and T == 1:
             # bottom-right alignment puts a lone query at the newest position: it may see every
             # key, so the causal mask would block nothing (the common cached decoding step)
             is_causal = False
-        need_weights = self._need_weights(need_weights)
-        want_weights = need_weights or self.record_weights
         out, weights = attention(
             q,
             k,
@@ -472,7 +396,7 @@ class MultiHeadAttention(nn.Module):
             attn_bias=attn_bias,
             is_causal=is_causal,
             scale=self.scale,
-            need_weights=want_weights,
+            need_weights=need_weights or self.record_weights,
             dropout_p=self.dropout,
             training=self.training,
             backend=self.backend,
@@ -480,12 +404,4 @@ class MultiHeadAttention(nn.Module):
         if self.record_weights and weights is not None:
             self.last_weights = weights.detach()
         out = out.transpose(1, 2).reshape(B, T, self.embed_dim)  # [B, T, D]
-        out = self.out_proj(out)  # [B, T, D]
-        if unbatched:
-            out = out[0]  # [T, D]
-        elif not self.batch_first:
-            out = out.transpose(0, 1)  # [T, B, D]
-        if not need_weights or weights is None:
-            return out, None
-        weights = weights.mean(dim=1) if average_attn_weights else weights  # [B, (H,) T, S]
-        return out, (weights[0] if unbatched else weights)
+        return self.out_proj(out), (weights if need_weights else None)  # [B, T, D]
