@@ -6,6 +6,7 @@ import json
 import threading
 from pathlib import Path
 
+import hf_models as hm
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,3 +164,15 @@ def test_threads_with_their_own_watches_see_their_own_calls() -> None:
     assert [f.kind for f in reports["buggy"].findings] == ["padding_leak"]
     assert torch._C._len_torch_function_stack() == 0
     assert AttentionInterface.get_interface is original
+
+
+def test_a_transformers_model_is_watched_only_inside_its_attention_functions() -> None:
+    """Every attention of a tiny Llama goes through AttentionInterface: no mode outside those
+    calls (the rest of the model pays nothing per torch call), and the calls are still seen."""
+    model = hm.build("llama", "sdpa")
+    with doctor.watch(model) as report:
+        assert torch._C._len_torch_function_stack() == 0
+        hm.run(model, "llama", "left")
+    assert report.calls == 4 and report.ok
+    with doctor.watch(Tiny()):  # a plain torch model: the mode for the whole block
+        assert torch._C._len_torch_function_stack() == 1

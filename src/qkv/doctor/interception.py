@@ -16,11 +16,14 @@ no watch:
   watch is active, so every implementation (``eager``, ``sdpa``, ``flex_attention``, ``qkv``,
   functions registered by users) is seen with its module. A kernel call made inside it (SDPA in
   ``sdpa``, ``qkv.attention`` in ``qkv``) is judged as what was really computed; a function that
-  calls no kernel (``eager``) is judged from its own arguments.
+  calls no kernel (``eager``) is judged from its own arguments. For a ``transformers`` model
+  whose every attention goes through it, the watch is *scoped*: its mode is entered only inside
+  these functions and no module hook runs, so the rest of the model pays nothing per torch call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -251,8 +254,8 @@ def _observe(make: Callable[[], AttentionCall], module: nn.Module | None, site: 
 
 
 def _pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-    if not _local.watches:
-        return
+    if not _local.watches or all(w.scoped for w in _local.watches):
+        return  # no watch here, or only watches that see attention inside transformers' frames
     _local.modules.append(module)
     if type(module) in _SUSPENDING:
         _local.suspended.append(_pop_watch_modes())
@@ -357,7 +360,11 @@ def _wrap_hf(implementation: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         frame = _Frame(module, implementation, shape)
         _local.frames.append(frame)
         try:
-            out = fn(module, *args, **kwargs)
+            with contextlib.ExitStack() as modes:  # scoped watches see torch calls only here
+                for w in _local.watches:
+                    if w.scoped:
+                        modes.enter_context(w.mode)
+                out = fn(module, *args, **kwargs)
         finally:
             _local.frames.pop()
         if not frame.kernel_seen:

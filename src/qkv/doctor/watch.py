@@ -14,8 +14,10 @@ Shapes: B batch, H heads, T queries, S keys, L the model's input length.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -31,6 +33,26 @@ from qkv.doctor.report import Captured, Report
 from qkv.doctor.weights import row_blocks
 
 __all__ = ["Watch", "watch"]
+
+
+def _all_attention_through_transformers(model: nn.Module | None) -> bool:
+    """Whether every attention call of ``model`` goes through ``transformers``' attention
+    interface: a ``transformers`` model whose classes all dispatch through
+    ``ALL_ATTENTION_FUNCTIONS`` (``transformers``' own check of its modeling code) and that holds
+    no ``nn.MultiheadAttention``. Such a watch enters its mode only inside those functions."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if model is None or modeling_utils is None:
+        return False
+    pretrained = modeling_utils.PreTrainedModel
+    if not isinstance(model, pretrained):
+        return False
+    for m in model.modules():
+        if isinstance(m, nn.MultiheadAttention | nn.TransformerEncoderLayer):
+            return False
+        check = getattr(type(m), "_can_set_attn_implementation", None)
+        if isinstance(m, pretrained) and (check is None or not check()):
+            return False
+    return True
 
 
 def _live_tokens(value: Any, name: str) -> Tensor | None:
@@ -68,6 +90,7 @@ class Watch:
         self._capture_count: dict[str, int] = {}
         self._padding: list[Tensor | None] = []
         self.mode = WatchMode(self)
+        self.scoped = _all_attention_through_transformers(model)
 
     # ---------------------------------------------------------------- padding from the model
 
@@ -241,7 +264,7 @@ def watch(
     try:
         for m in w.padding_sources():
             handles.extend(w.hook_padding(m))
-        with w.mode:
+        with contextlib.nullcontext() if w.scoped else w.mode:
             yield w.report
     finally:
         for h in handles:
