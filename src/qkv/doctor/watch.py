@@ -89,6 +89,7 @@ class Watch:
         self._keys: dict[tuple[str, str], int] = {}
         self._capture_count: dict[str, int] = {}
         self._padding: list[Tensor | None] = []
+        self._padding_cache: dict[tuple[Any, ...], tuple[Tensor, Padding]] = {}
         self.mode = WatchMode(self)
         self.scoped = _all_attention_through_transformers(model)
 
@@ -141,9 +142,15 @@ class Watch:
         L = live.shape[1]
         if live.shape[0] != B or T > L or S < L:
             return None
-        live = live.to(call.query.device)
-        extra = live.new_ones(B, S - L)  # keys past the mask (empty cache slots): no claim
-        return Padding(live_queries=live[:, L - T :], live_keys=torch.cat([live, extra], 1))
+        key = (id(live), T, S, call.query.device)
+        cached = self._padding_cache.get(key)
+        if cached is None or cached[0] is not live:  # every layer of a forward shares one
+            on = live.to(call.query.device)
+            extra = on.new_ones(B, S - L)  # keys past the mask (empty cache slots): no claim
+            pad = Padding(live_queries=on[:, L - T :], live_keys=torch.cat([on, extra], 1))
+            self._padding_cache = {key: (live, pad)}
+            return pad
+        return cached[1]
 
     # ---------------------------------------------------------------- observing calls
 
