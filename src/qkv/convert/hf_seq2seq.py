@@ -44,7 +44,7 @@ from qkv.convert.hf_files import (
     weight_files,
     write_dir,
 )
-from qkv.convert.hf_tokens import forced_token_ids, token_id
+from qkv.convert.hf_tokens import forced_token_ids, required_ids, token_id
 from qkv.convert.hf_values import hf_bool, hf_int, hf_str
 from qkv.models.config import TransformerConfig
 from qkv.models.registry import load_weights
@@ -192,12 +192,7 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str = "config.json") -> Tra
     pad = token_id(hf, "pad_token_id", source)
     eos = token_id(hf, "eos_token_id", source)
     start = token_id(hf, "decoder_start_token_id", source)
-    missing = [k for k, v in (("pad", pad), ("eos", eos), ("decoder_start", start)) if v is None]
-    if missing:
-        raise ValueError(
-            f"{source}: needs {', '.join(m + '_token_id' for m in missing)} in [0, {V})"
-        )
-    assert pad is not None and eos is not None and start is not None
+    pad, eos, start = required_ids(source, V, pad=pad, eos=eos, decoder_start=start)
     try:
         return TransformerConfig(
             V,

@@ -17,7 +17,7 @@ from typing import Any
 
 from qkv.convert.hf_files import read_json
 
-__all__ = ["GENERATION_FILE", "forced_token_ids", "token_id"]
+__all__ = ["GENERATION_FILE", "forced_token_ids", "required_ids", "token_id"]
 
 GENERATION_FILE = "generation_config.json"
 _MAX_GENERATION_BYTES = 1 << 20  # a generation config is a few hundred bytes
@@ -87,3 +87,25 @@ def forced_token_ids(
         token_id(settings, "forced_bos_token_id", source),
         token_id(settings, "forced_eos_token_id", source),
     )
+
+
+def required_ids(source: str, vocab_size: int, **ids: int | None) -> tuple[int, ...]:
+    """The token ids a model cannot do without, in the order given, or an error naming each one
+    that is missing.
+
+    Args:
+        source: where the config came from, for the message.
+        vocab_size: V, the range the ids must lie in (for the message).
+        ids: name (``pad``, ``eos``, ``decoder_start``, ...) to id or None.
+
+    Returns:
+        The ids, in the order of ``ids``.
+
+    Raises:
+        ValueError: one or more are None, e.g. "needs pad_token_id, eos_token_id in [0, V)".
+    """
+    missing = [name for name, value in ids.items() if value is None]
+    if missing:
+        names = ", ".join(m + "_token_id" for m in missing)
+        raise ValueError(f"{source}: needs {names} in [0, {vocab_size})")
+    return tuple(v for v in ids.values() if v is not None)
