@@ -21,6 +21,7 @@ import transformers as tr
 import qkv.convert.hf_seq2seq as hf_seq2seq
 import qkv.convert.hf_t5 as hf_t5
 from qkv.convert import load_hf
+from qkv.convert.hf_tokens import required_ids
 from qkv.models import Transformer
 
 KINDS = ("bart", "marian", "t5")
@@ -206,3 +207,13 @@ def test_a_generation_config_nested_too_deep_names_the_file(
     (root / "generation_config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ValueError, match=r"generation_config\.json is not valid JSON: nested"):
         load_hf(root)
+
+
+def test_the_special_tokens_a_seq2seq_model_needs_are_named_when_missing() -> None:
+    assert required_ids("cfg", 64, pad=0, eos=1, decoder_start=2) == (0, 1, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"cfg: needs pad_token_id, decoder_start_token_id in "
+        r"\[0, 64\)",
+    ):
+        required_ids("cfg", 64, pad=None, eos=1, decoder_start=None)
