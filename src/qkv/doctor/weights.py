@@ -1,9 +1,9 @@
 """Attention weights recomputed exactly, a block of query rows at a time.
 
 The doctor never asks a model for its weights (that would force the eager path) and never holds
-the whole ``[B, H, T, S]`` at once: it recomputes ``softmax(q kᵀ · scale + bias)`` in float32
-(float64 stays float64) for the rows it needs, with blocked keys at weight 0 and a fully blocked
-row at 0 (never NaN).
+the whole ``[B, H, T, S]`` at once: it runs qkv's reference formula
+(:func:`qkv.backends.reference.reference_attention`) in float32 (float64 stays float64) on the
+rows it needs, with blocked keys at weight 0 and a fully blocked row at 0 (never NaN).
 
 Shapes: B batch, H query heads, Hkv key/value heads, T queries, S keys, Dh head width.
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from qkv.backends.reference import compute_dtype, expand_kv_heads
+from qkv.backends.reference import compute_dtype, expand_kv_heads, reference_attention
 
 __all__ = ["ROW_BLOCK", "row_blocks", "score_bound", "weights_rows"]
 
@@ -66,26 +66,22 @@ def weights_rows(
         ``[h, r1 - r0, S]`` in the compute dtype (float32, or float64 for float64 inputs).
     """
     dtype = compute_dtype(query.dtype)
-    k = expand_kv_heads(key[b : b + 1], query.shape[1])[0, heads]  # [h, S, Dh]
-    q = query[b, heads, r0:r1]  # [h, rows, Dh]
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [h, rows, S]
-    for extra in (_pick(additive, b, heads, r0, r1), _pick(bias, b, heads, r0, r1)):
-        if extra is not None:
-            scores = scores + extra.to(dtype)  # [h, rows, S]
-    block = _pick(blocked, b, heads, r0, r1)
-    if block is not None:
-        scores = scores.masked_fill(block, float("-inf"))  # [h, rows, S]
+    q = query[b : b + 1, heads, r0:r1].to(dtype)  # [1, h, rows, Dh]
+    k = expand_kv_heads(key[b : b + 1], query.shape[1])[:, heads].to(dtype)  # [1, h, S, Dh]
+    mask = _pick(blocked, b, heads, r0, r1)  # [h|1, rows|1, S]
     if causal is not None:
         T, S = query.shape[2], key.shape[2]
         shift = S - T if causal == "bottom_right" else 0
-        rows = torch.arange(r0, r1, device=scores.device).unsqueeze(-1) + shift  # [rows, 1]
-        future = torch.arange(S, device=scores.device) > rows  # [rows, S]
-        scores = scores.masked_fill(future, float("-inf"))  # [h, rows, S]
-    top = scores.amax(-1, keepdim=True)  # [h, rows, 1]
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    e = torch.exp(scores - top)  # [h, rows, S]
-    total = e.sum(-1, keepdim=True)  # [h, rows, 1]
-    return torch.where(total > 0, e / total.clamp_min(torch.finfo(dtype).tiny), 0.0)
+        rows = torch.arange(r0, r1, device=q.device).unsqueeze(-1) + shift  # [rows, 1]
+        future = torch.arange(S, device=q.device) > rows  # [rows, S]
+        mask = future if mask is None else mask | future  # [h|1, rows, S]
+    score_bias = None
+    for extra in (_pick(additive, b, heads, r0, r1), _pick(bias, b, heads, r0, r1)):
+        if extra is not None:
+            score_bias = extra.to(dtype) if score_bias is None else score_bias + extra.to(dtype)
+    # the reference formula itself, on these rows (keys stand in for the values it also needs)
+    _, weights = reference_attention(q, k, k, mask, score_bias, scale, 0.0, False)
+    return weights[0]  # [h, rows, S]
 
 
 def row_blocks(T: int, size: int = ROW_BLOCK) -> Iterator[tuple[int, int]]:
