@@ -53,7 +53,7 @@ from qkv.functional import attention as qkv_attention
 if TYPE_CHECKING:
     from qkv.doctor.watch import Watch
 
-__all__ = ["WatchMode", "active_watches", "install", "uninstall"]
+__all__ = ["WatchMode", "install", "uninstall"]
 
 from torch._higher_order_ops.flex_attention import flex_attention as _FLEX_HOP
 
@@ -116,11 +116,6 @@ def _unpack_gqa(call: AttentionCall, frame: _Frame | None) -> AttentionCall:
     if call.output is not None:
         call.output = call.output.reshape(shape[0], shape[1], 1, -1)  # [B, H, 1, Dv]
     return call
-
-
-def active_watches() -> list[Watch]:
-    """The watches active on this thread, outermost first."""
-    return _local.watches
 
 
 def call_site() -> str:
