@@ -75,7 +75,8 @@ def _forward(model: Any, inputs: dict[str, torch.Tensor]) -> None:
             use_cache=True,
         )
         return
-    out = model(**inputs, use_cache=True) if hasattr(model, "generate") else model(**inputs)
+    takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    out = model(**inputs, use_cache=True) if takes_cache else model(**inputs)
     past = getattr(out, "past_key_values", None)
     logits = getattr(out, "logits", None)
     if past is None or logits is None:
