@@ -22,6 +22,8 @@ def test_nothing_outlives_the_block() -> None:
     before_hooks = (
         dict(torch.nn.modules.module._global_forward_pre_hooks),
         dict(torch.nn.modules.module._global_forward_hooks),
+        dict(torch.nn.modules.module._global_forward_hooks_with_kwargs),
+        dict(torch.nn.modules.module._global_forward_hooks_always_called),
     )
     with doctor.watch(Tiny()):
         assert AttentionInterface.get_interface is not before_get
@@ -31,6 +33,8 @@ def test_nothing_outlives_the_block() -> None:
     after_hooks = (
         dict(torch.nn.modules.module._global_forward_pre_hooks),
         dict(torch.nn.modules.module._global_forward_hooks),
+        dict(torch.nn.modules.module._global_forward_hooks_with_kwargs),
+        dict(torch.nn.modules.module._global_forward_hooks_always_called),
     )
     assert after_hooks == before_hooks
 

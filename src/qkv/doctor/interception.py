@@ -416,7 +416,11 @@ def uninstall() -> None:
         if _installed > 0:
             return
         while _handles:
-            _handles.pop().remove()
+            handle = _handles.pop()
+            handle.remove()
+            # torch 2.13's handle forgets the with_kwargs flag of a global forward hook; a stale
+            # flag makes torch.compile warn of global hooks long after the watch ended.
+            nn.modules.module._global_forward_hooks_with_kwargs.pop(handle.id, None)
         while _hf_original:
             cls, original = _hf_original.pop()
             cls.get_interface = original
