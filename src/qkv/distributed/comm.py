@@ -15,7 +15,19 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Exchange", "peer"]
+__all__ = ["Exchange", "bytes_sent", "peer", "reset_bytes_sent"]
+
+_sent = [0]  # bytes this process has posted for sending (for benchmarks)
+
+
+def bytes_sent() -> int:
+    """Bytes this process has sent through context-parallel exchanges since the last reset."""
+    return _sent[0]
+
+
+def reset_bytes_sent() -> None:
+    """Start counting :func:`bytes_sent` from 0."""
+    _sent[0] = 0
 
 
 def peer(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -42,6 +54,7 @@ class Exchange:
         """Post every send and receive at once (``batch_isend_irecv``)."""
         ops = [dist.P2POp(dist.isend, t, peer(self.group, r), self.group) for r, t in self.sends]
         ops += [dist.P2POp(dist.irecv, t, peer(self.group, r), self.group) for r, t in self.recvs]
+        _sent[0] += sum(t.numel() * t.element_size() for _, t in self.sends)
         if ops:
             self._works = dist.batch_isend_irecv(ops)
         return self

@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _KEY_TILE = 256  # keys per probe when the plan looks for the keys a pair needs
+_QUERY_TILE = 1024  # query rows per probe
 
 
 class Shifted(StructuredMask):
@@ -84,6 +85,30 @@ def _keys_seen(tm: TileMask, width: int) -> Tensor | None:
     return open_.reshape(-1, width).any(dim=0).cpu()  # [bk]
 
 
+def _column_seen(
+    rule: StructuredMask,
+    B: int,
+    H: int,
+    n: int,
+    q_segments: list[Segment],
+    k0: int,
+    k1: int,
+    device: torch.device,
+) -> Tensor | None:
+    """Which keys of ``[k0, k1)`` some query of ``q_segments`` sees: None for all of them,
+    else a ``[k1 - k0]`` bool vector. Queries are asked ``_QUERY_TILE`` rows at a time, so a
+    partial answer never costs more than ``_QUERY_TILE x _KEY_TILE`` elements."""
+    seen = torch.zeros(k1 - k0, dtype=torch.bool)
+    for a, b in q_segments:
+        for q0 in range(a, b, _QUERY_TILE):
+            tm = rule.tile(Tile(B, H, n, n, q0, min(q0 + _QUERY_TILE, b), k0, k1, device))
+            s = _keys_seen(tm, k1 - k0)
+            if s is None:
+                return None
+            seen |= s
+    return seen
+
+
 def needed_ranges(
     rule: StructuredMask | None,
     B: int,
@@ -94,6 +119,10 @@ def needed_ranges(
     device: torch.device,
 ) -> Segment | None:
     """The smallest range of ``k_segment`` holding every key some query of ``q_segments`` sees.
+
+    Key columns of ``_KEY_TILE`` are asked from the left until one holds a seen key, then from
+    the right: a rule that skips whole tiles (causal, windows, sorted documents, padding) is
+    answered mostly without building a mask.
 
     Args:
         rule: the global rule (None: every key is seen).
@@ -108,25 +137,28 @@ def needed_ranges(
         ``(start, stop)`` inside ``k_segment``, or None when no query sees any of its keys.
     """
     a, b = k_segment
+    if not q_segments or b <= a:
+        return None
     if rule is None:
-        return (a, b) if q_segments and b > a else None
-    first: int | None = None
-    last: int | None = None
-    for k0 in range(a, b, _KEY_TILE):
-        k1 = min(k0 + _KEY_TILE, b)
-        seen = torch.zeros(k1 - k0, dtype=torch.bool)
-        for q0, q1 in q_segments:
-            tm = rule.tile(Tile(B, H, n, n, q0, q1, k0, k1, device))
-            s = _keys_seen(tm, k1 - k0)
-            if s is None:
-                seen[:] = True
-                break
-            seen |= s
-        idx = seen.nonzero()
-        if idx.numel():
-            first = k0 + int(idx[0]) if first is None else first
-            last = k0 + int(idx[-1])
-    return None if first is None or last is None else (first, last + 1)
+        return a, b
+    columns = [(k0, min(k0 + _KEY_TILE, b)) for k0 in range(a, b, _KEY_TILE)]
+
+    def edge(order: list[tuple[int, int]], last: bool) -> int | None:
+        for k0, k1 in order:
+            seen = _column_seen(rule, B, H, n, q_segments, k0, k1, device)
+            if seen is None:
+                return k1 - 1 if last else k0
+            idx = seen.nonzero()
+            if idx.numel():
+                return k0 + int(idx[-1 if last else 0])
+        return None
+
+    first = edge(columns, last=False)
+    if first is None:
+        return None
+    last = edge(columns[::-1], last=True)
+    assert last is not None
+    return first, last + 1
 
 
 @dataclass(frozen=True)
