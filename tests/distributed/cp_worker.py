@@ -2,14 +2,15 @@
 
 Each rank builds the same whole tensors (same seed), runs its shard through
 ``context_parallel_attention`` and compares its output shard and its gradient shards with
-``qkv.attention`` on the whole sequence. Prints one JSON line per rank with the largest
-differences; exits 1 if any exceeds the bound.
+``qkv.attention`` on the whole sequence. Writes ``rank{r}.json`` with the largest differences
+into the directory given first (then the lengths); exits 1 if any exceeds the bound.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,22 +49,37 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     worst: dict[str, float] = {}
-    for n in map(int, sys.argv[1:]):
+    out_dir = Path(sys.argv[1])
+    for n in map(int, sys.argv[2:]):
         check(n, worst)
-    print(json.dumps({"rank": rank, "world": world, "worst": worst}), flush=True)
+    (out_dir / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "world": world, "worst": worst})
+    )
     dist.destroy_process_group()
     return 0 if max(worst.values()) <= 1e-9 else 1
+
+
+def cross_rules(s: int) -> dict[str, StructuredMask | None]:
+    """Rules of a cross-attention grid with ``s`` keys (queries of another length)."""
+    return {
+        "cross/none": None,
+        "cross/padding": Padding(torch.tensor([s, max(s - 7, 1)])),
+        "cross/padding|causal": Padding(torch.tensor([s, max(s - 7, 1)])) | Causal(),
+    }
 
 
 def check(n: int, worst: dict[str, float]) -> None:
     """Every rule x layout at length ``n``; the largest difference of each into ``worst``."""
     for layout in cp.LAYOUTS:
-        for name, rule in rules(n).items():
+        s = n * 2 // 3 + 1  # the key length of the cross-attention rules
+        cases = [(name, rule, n) for name, rule in rules(n).items()]
+        cases += [(name, rule, s) for name, rule in cross_rules(s).items()]
+        for name, rule, m in cases:
             torch.manual_seed(0)
             B, H, Hkv, D = 2, 4, 2, 8
             q = torch.randn(B, H, n, D, dtype=torch.float64, requires_grad=True)
-            k = torch.randn(B, Hkv, n, D, dtype=torch.float64, requires_grad=True)
-            v = torch.randn(B, Hkv, n, D, dtype=torch.float64, requires_grad=True)
+            k = torch.randn(B, Hkv, m, D, dtype=torch.float64, requires_grad=True)
+            v = torch.randn(B, Hkv, m, D, dtype=torch.float64, requires_grad=True)
             g = torch.randn(B, H, n, D, dtype=torch.float64)
             ref, _ = qkv.attention(q, k, v, mask=rule)
             ref_grads = torch.autograd.grad(ref, (q, k, v), g)

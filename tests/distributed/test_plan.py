@@ -120,19 +120,29 @@ def test_is_causal_and_gqa() -> None:
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
 
 
+def test_cross_attention_keys_of_another_length() -> None:
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 7, 4, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 12, 4, dtype=torch.float64) for _ in range(2))
+    rule = Padding(torch.tensor([12, 5])) | Causal()  # bottom-right: query 6 sees all 12 keys
+    out = cp.context_parallel_attention(q, k, v, mask=rule)
+    ref, _ = qkv.attention(q, k, v, mask=rule)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
 def test_bad_calls_are_clear_errors() -> None:
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(TypeError, match="mask must be a qkv mask rule in global coordinates"):
         cp.context_parallel_attention(q, q, q, mask=torch.ones(8, 8, dtype=torch.bool))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="shards of one batch and length"):
-        cp.context_parallel_attention(q, q[:, :, :5], q[:, :, :5])
+    with pytest.raises(ValueError, match="must share the batch size"):
+        cp.context_parallel_attention(q, q[:, :, :5], q[:, :, :6])
     with pytest.raises(ValueError, match="4-D"):
         cp.context_parallel_attention(q[0], q, q)
     other = cp.plan_context(None, batch=1, heads=4, kv_heads=4, length=8, world=1, rank=0)
     with pytest.raises(ValueError, match="plan was made for"):
         cp.context_parallel_attention(q, q, q, plan=other)
     short = cp.plan_context(None, batch=1, heads=2, kv_heads=2, length=9, world=1, rank=0)
-    with pytest.raises(ValueError, match="T_local=8"):
+    with pytest.raises(ValueError, match="T_local=8 and S_local=8"):
         cp.context_parallel_attention(q, q, q, plan=short)
     with pytest.raises(ValueError, match="Padding lengths must lie in"):
         cp.context_parallel_attention(q, q, q, mask=Padding(torch.tensor([9])))

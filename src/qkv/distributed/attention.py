@@ -29,19 +29,27 @@ from qkv.masks import Causal, StructuredMask
 __all__ = ["context_parallel_attention", "global_length"]
 
 
-def global_length(local_length: int, group: dist.ProcessGroup | None = None) -> int:
-    """The whole sequence's length: the sum of every rank's ``local_length`` (one all-reduce)."""
+def global_length(*local_lengths: int, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Whole sequences' lengths: each the sum of every rank's local length (one all-reduce).
+
+    Args:
+        local_lengths: this rank's length of each sequence.
+        group: the process group (default: the world).
+
+    Returns:
+        The global length of each, in order.
+    """
     _, world = group_rank(group)
     if world == 1:
-        return local_length
-    n = torch.tensor([local_length], dtype=torch.long)
+        return list(local_lengths)
+    n = torch.tensor(local_lengths, dtype=torch.long)
     dist.all_reduce(n, group=group)
-    return int(n)
+    return [int(x) for x in n]
 
 
 def _gather_keys(k: Tensor, plan: ContextPlan, dst: int) -> Tensor:
     """This rank's keys (or values) that ``dst`` needs, concatenated: ``[B, Hkv, L, D]``."""
-    mine = plan.segments[plan.rank]
+    mine = plan.kv_segments[plan.rank]
     parts = [k[:, :, a:b] for _, (a, b) in local_ranges(mine, plan.needs[dst][plan.rank])]
     return torch.cat(parts, dim=2).contiguous()  # [B, Hkv, L, D]
 
@@ -143,7 +151,7 @@ class _ContextParallel(torch.autograd.Function):
 def _add_back(grad: Tensor, got: Tensor, plan: ContextPlan, dst: int) -> None:
     """Add the gradient ``dst`` computed for the keys this rank sent it, at their places."""
     offset = 0
-    for _, (a, b) in local_ranges(plan.segments[plan.rank], plan.needs[dst][plan.rank]):
+    for _, (a, b) in local_ranges(plan.kv_segments[plan.rank], plan.needs[dst][plan.rank]):
         grad[:, :, a:b] += got[:, :, offset : offset + b - a]
         offset += b - a
 
@@ -159,17 +167,19 @@ def context_parallel_attention(
     group: dist.ProcessGroup | None = None,
     layout: Layout = "contiguous",
     length: int | None = None,
+    kv_length: int | None = None,
     plan: ContextPlan | None = None,
 ) -> Tensor:
-    """Exact attention over a sequence sharded across the ranks of ``group``.
+    """Exact attention over sequences sharded across the ranks of ``group``.
 
-    Every rank calls it with its own shard (self-attention: queries, keys and values cut the
-    same way, e.g. by :func:`qkv.distributed.shard`).
+    Every rank calls it with its own shards, e.g. from :func:`qkv.distributed.shard`. In
+    self-attention queries, keys and values are cut from one sequence; in cross-attention the
+    keys and values come from another sequence (of length ``S``), cut in the same layout.
 
     Args:
         query: this rank's queries ``[B, H, T_local, Dh]``.
-        key: this rank's keys ``[B, Hkv, T_local, Dh]`` (``Hkv`` dividing ``H``: GQA).
-        value: this rank's values ``[B, Hkv, T_local, Dv]``.
+        key: this rank's keys ``[B, Hkv, S_local, Dh]`` (``Hkv`` dividing ``H``: GQA).
+        value: this rank's values ``[B, Hkv, S_local, Dv]``.
         mask: a qkv rule in **global** coordinates (``Causal``, ``Padding``, ``Documents``,
             ``SlidingWindow``, ``MaskMod`` or a combination), True = blocked; None: no mask.
         is_causal: add a causal rule (the same as ``mask=Causal()`` combined with ``mask``).
@@ -177,7 +187,9 @@ def context_parallel_attention(
         group: the process group (default: the world; with torch.distributed not
             initialized, one process holding the whole sequence).
         layout: how the sequence was cut: ``"contiguous"`` or ``"zigzag"``.
-        length: the global length, if known (saves one all-reduce when ``plan`` is None).
+        length: the global query length ``T``, if known.
+        kv_length: the global key length ``S``, if known (both known, or a ``plan``: no
+            all-reduce to learn them).
         plan: a plan from :func:`qkv.distributed.plan_context` to reuse (every layer of a model
             with the same mask and shapes); made here when None.
 
@@ -203,10 +215,10 @@ def context_parallel_attention(
         )
     B, H, T, Dh = query.shape
     Hkv = key.shape[1]
-    if key.shape[0] != B or value.shape[0] != B or key.shape[2] != T or value.shape[2] != T:
+    if key.shape[0] != B or value.shape[0] != B or key.shape[2] != value.shape[2]:
         raise ValueError(
-            "context-parallel self-attention needs query, key and value shards of one batch "
-            f"and length, got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+            "query, key and value shards must share the batch size, and key and value the "
+            f"length, got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
         )
     if key.shape[3] != Dh or value.shape[1] != Hkv or H % Hkv:
         raise ValueError(
@@ -218,13 +230,17 @@ def context_parallel_attention(
     if is_causal:
         rule = Causal() if mask is None else (mask | Causal())
     if plan is None:
-        n = global_length(T, group) if length is None else length
+        if length is None or kv_length is None:
+            n, m = global_length(T, key.shape[2], group=group)
+            length = n if length is None else length
+            kv_length = m if kv_length is None else kv_length
         plan = plan_context(
             rule,
             batch=B,
             heads=H,
             kv_heads=Hkv,
-            length=n,
+            length=length,
+            kv_length=kv_length,
             world=world,
             rank=rank,
             layout=check_layout(layout),
@@ -235,10 +251,11 @@ def context_parallel_attention(
             f"plan was made for rank {plan.rank} of {plan.world} and (B, H, Hkv) = {plan.grid}; "
             f"this call is rank {rank} of {world} with {(B, H, Hkv)}"
         )
-    if plan.local_length != T:
+    if plan.local_length != T or plan.kv_local_length != key.shape[2]:
         raise ValueError(
-            f"this rank holds {plan.local_length} positions of {plan.length} in the plan's "
-            f"{plan.layout} layout, but the shards have T_local={T}"
+            f"this rank holds {plan.local_length} of {plan.length} queries and "
+            f"{plan.kv_local_length} of {plan.kv_length} keys in the plan's {plan.layout} "
+            f"layout, but the shards have T_local={T} and S_local={key.shape[2]}"
         )
     s = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     out: Tensor = _ContextParallel.apply(query, key, value, plan, s, group)

@@ -42,29 +42,33 @@ _QUERY_TILE = 1024  # query rows per probe
 
 class Shifted(StructuredMask):
     """A global rule seen from one rectangle: local tile ``(q0, q1, k0, k1)`` is global
-    ``(q_start + q0, q_start + q1, k_start + k0, k_start + k1)`` of an ``n x n`` grid.
+    ``(q_start + q0, q_start + q1, k_start + k0, k_start + k1)`` of a ``T x S`` grid.
 
     Args:
         rule: the rule in global coordinates.
-        n: the global sequence length (queries and keys).
+        T: the global query length.
+        S: the global key length.
         q_start: global position of local query 0.
         k_start: global position of local key 0.
     """
 
-    def __init__(self, rule: StructuredMask, n: int, q_start: int, k_start: int) -> None:
-        self.rule, self.n, self.q_start, self.k_start = rule, n, q_start, k_start
+    def __init__(self, rule: StructuredMask, T: int, S: int, q_start: int, k_start: int) -> None:
+        self.rule, self.T, self.S, self.q_start, self.k_start = rule, T, S, q_start, k_start
         self.parts = getattr(rule, "parts", (rule,))  # tile sizes follow a window part
 
     def __repr__(self) -> str:
-        return f"Shifted({self.rule!r}, n={self.n}, q_start={self.q_start}, k_start={self.k_start})"
+        return (
+            f"Shifted({self.rule!r}, T={self.T}, S={self.S}, q_start={self.q_start}, "
+            f"k_start={self.k_start})"
+        )
 
     def tile(self, tile: Tile) -> TileMask:
         return self.rule.tile(
             Tile(
                 tile.B,
                 tile.H,
-                self.n,
-                self.n,
+                self.T,
+                self.S,
                 self.q_start + tile.q0,
                 self.q_start + tile.q1,
                 self.k_start + tile.k0,
@@ -89,7 +93,7 @@ def _column_seen(
     rule: StructuredMask,
     B: int,
     H: int,
-    n: int,
+    grid: tuple[int, int],
     q_segments: list[Segment],
     k0: int,
     k1: int,
@@ -101,7 +105,7 @@ def _column_seen(
     seen = torch.zeros(k1 - k0, dtype=torch.bool)
     for a, b in q_segments:
         for q0 in range(a, b, _QUERY_TILE):
-            tm = rule.tile(Tile(B, H, n, n, q0, min(q0 + _QUERY_TILE, b), k0, k1, device))
+            tm = rule.tile(Tile(B, H, *grid, q0, min(q0 + _QUERY_TILE, b), k0, k1, device))
             s = _keys_seen(tm, k1 - k0)
             if s is None:
                 return None
@@ -113,7 +117,7 @@ def needed_ranges(
     rule: StructuredMask | None,
     B: int,
     H: int,
-    n: int,
+    grid: tuple[int, int],
     q_segments: list[Segment],
     k_segment: Segment,
     device: torch.device,
@@ -128,7 +132,7 @@ def needed_ranges(
         rule: the global rule (None: every key is seen).
         B: batch size.
         H: query heads.
-        n: global length.
+        grid: the global ``(T, S)``.
         q_segments: the querying rank's segments.
         k_segment: one segment of the keys' rank.
         device: where the rule's tensors live.
@@ -145,7 +149,7 @@ def needed_ranges(
 
     def edge(order: list[tuple[int, int]], last: bool) -> int | None:
         for k0, k1 in order:
-            seen = _column_seen(rule, B, H, n, q_segments, k0, k1, device)
+            seen = _column_seen(rule, B, H, grid, q_segments, k0, k1, device)
             if seen is None:
                 return k1 - 1 if last else k0
             idx = seen.nonzero()
@@ -182,12 +186,14 @@ class ContextPlan:
     """How one context-parallel attention call runs on this rank; the same on every rank.
 
     Attributes:
-        length: global sequence length.
+        length: global query length.
+        kv_length: global key length (``length`` for self-attention).
         world: ranks in the group.
         rank: this rank.
         layout: ``"contiguous"`` or ``"zigzag"``.
         grid: ``(B, H, Hkv)`` the plan was made for.
-        segments: per rank, its global segments.
+        segments: per rank, the global segments of its queries.
+        kv_segments: per rank, the global segments of its keys.
         needs: ``needs[i][j]``: the global key ranges rank ``i`` receives from rank ``j``
             (``needs[i][i]`` the ranges of its own keys it uses).
         pairs: per source rank, the blocks this rank computes against its keys.
@@ -195,11 +201,13 @@ class ContextPlan:
     """
 
     length: int
+    kv_length: int
     world: int
     rank: int
     layout: Layout
     grid: tuple[int, int, int]
     segments: tuple[tuple[Segment, ...], ...]
+    kv_segments: tuple[tuple[Segment, ...], ...]
     needs: tuple[tuple[tuple[Segment, ...], ...], ...]
     pairs: tuple[tuple[PairPlan, ...], ...]
     mask: StructuredMask | None
@@ -214,8 +222,13 @@ class ContextPlan:
 
     @property
     def local_length(self) -> int:
-        """This rank's number of positions."""
+        """This rank's number of query positions."""
         return sum(b - a for a, b in self.segments[self.rank])
+
+    @property
+    def kv_local_length(self) -> int:
+        """This rank's number of key positions."""
+        return sum(b - a for a, b in self.kv_segments[self.rank])
 
     def keys_sent(self, rank: int | None = None) -> int:
         """Key positions ``rank`` (default: this rank) sends in one forward."""
@@ -225,7 +238,7 @@ class ContextPlan:
     def ring_keys_sent(self, rank: int | None = None) -> int:
         """Key positions a plain ring that sends everything would send from ``rank``."""
         r = self.rank if rank is None else rank
-        return (self.world - 1) * sum(b - a for a, b in self.segments[r])
+        return (self.world - 1) * sum(b - a for a, b in self.kv_segments[r])
 
     def pairs_computed(self, rank: int | None = None) -> int:
         """Query-key pairs this rank's tiles compute (a measure of its work)."""
@@ -256,6 +269,7 @@ def plan_context(
     heads: int,
     kv_heads: int,
     length: int,
+    kv_length: int | None = None,
     world: int,
     rank: int,
     layout: Layout = "contiguous",
@@ -270,7 +284,9 @@ def plan_context(
         batch: batch size ``B``.
         heads: query heads ``H``.
         kv_heads: key/value heads ``Hkv`` (dividing ``H``).
-        length: the global sequence length.
+        length: the global query length.
+        kv_length: the global key length (default ``length``: self-attention); keys are cut
+            in the same layout as queries.
         world: ranks in the group.
         rank: this rank.
         layout: ``"contiguous"`` or ``"zigzag"``.
@@ -284,7 +300,7 @@ def plan_context(
     Raises:
         TypeError: a count that is not an int, or a mask that is not a rule.
         ValueError: an unknown layout, a rank outside the world, or a rule that does not fit
-            ``[B, H, length, length]``.
+            ``[B, H, length, kv_length]``.
     """
     for name, value in (("batch", batch), ("heads", heads), ("kv_heads", kv_heads)):
         check_positive_int(name, value)
@@ -297,15 +313,19 @@ def plan_context(
         )
     layout = check_layout(layout)
     dev = torch.device("cpu") if device is None else device
+    S = length if kv_length is None else kv_length
     if mask is not None:
-        mask.validate(batch, heads, length, length, dev)
+        mask.validate(batch, heads, length, S, dev)
     segs = tuple(tuple(segments(length, world, r, layout)) for r in range(world))
+    kv_segs = tuple(tuple(segments(S, world, r, layout)) for r in range(world))
     needs = tuple(
         tuple(
             tuple(
                 rng
-                for k_seg in segs[j]
-                if (rng := needed_ranges(mask, batch, heads, length, list(segs[i]), k_seg, dev))
+                for k_seg in kv_segs[j]
+                if (
+                    rng := needed_ranges(mask, batch, heads, (length, S), list(segs[i]), k_seg, dev)
+                )
             )
             for j in range(world)
         )
@@ -316,7 +336,7 @@ def plan_context(
     for j in range(world):
         # Columns: own keys index the local tensor; received ones the buffer, in needs order.
         if j == rank:
-            cols = local_ranges(segs[rank], needs[rank][rank])
+            cols = local_ranges(kv_segs[rank], needs[rank][rank])
         else:
             cols, offset = [], 0
             for a, b in needs[rank][j]:
@@ -325,11 +345,12 @@ def plan_context(
         per = []
         for (q0g, q1g), (r0, r1) in local_ranges(segs[rank], segs[rank]):
             for (k0g, k1g), (c0, c1) in cols:
-                rule = None if mask is None else Shifted(mask, length, q0g, k0g)
+                rule = None if mask is None else Shifted(mask, length, S, q0g, k0g)
                 tp = plan_tiles(rule, batch, heads, q1g - q0g, k1g - k0g, bq, bk, dev, True)
                 if tp.computed:
                     per.append(PairPlan((r0, r1), (c0, c1), tp))
         pairs.append(tuple(per))
+    grid = (batch, heads, kv_heads)
     return ContextPlan(
-        length, world, rank, layout, (batch, heads, kv_heads), segs, needs, tuple(pairs), mask
+        length, S, world, rank, layout, grid, segs, kv_segs, needs, tuple(pairs), mask
     )
