@@ -13,6 +13,7 @@ a rank's queries see are sent. The same code runs on gloo (CPU) and NCCL (GPU).
 """
 
 from qkv.distributed.attention import context_parallel_attention, global_length
+from qkv.distributed.context import ContextParallel, active_scope, context_parallel
 from qkv.distributed.layout import (
     LAYOUTS,
     Layout,
@@ -26,8 +27,11 @@ from qkv.distributed.plan import ContextPlan, plan_context
 
 __all__ = [
     "LAYOUTS",
+    "ContextParallel",
     "ContextPlan",
     "Layout",
+    "active_scope",
+    "context_parallel",
     "context_parallel_attention",
     "global_length",
     "group_rank",
