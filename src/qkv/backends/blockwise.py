@@ -8,7 +8,7 @@ O(T + S) for the rows, never O(T · S). It saves only the output and the row max
 backward recomputes each tile's probabilities from them (FlashAttention-2), in a custom
 :class:`torch.autograd.Function` rather than autograd over the loop.
 
-Inputs are validated by :mod:`qkv.attention`; float16/bfloat16 are computed in float32.
+Inputs are validated by :func:`qkv.attention`; float16/bfloat16 are computed in float32.
 """
 
 from __future__ import annotations
