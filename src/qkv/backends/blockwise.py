@@ -30,6 +30,7 @@ from qkv.backends.tile_ops import (
 )
 from qkv.backends.tiles import TilePlan, check_tiles, plan_tiles, resolve_blocks
 from qkv.masks import StructuredMask
+from qkv.masks.validate import as_4d
 
 __all__ = ["blockwise_attention"]
 
@@ -248,13 +249,7 @@ def _work_inputs(
     v = value.to(work).contiguous()  # [B, Hkv, S, Dv]
     if attn_bias is None:
         return q, k, v, None
-    lead = (1,) * (4 - attn_bias.dim())
-    return (
-        q,
-        k,
-        v,
-        attn_bias.to(work).reshape(lead + tuple(attn_bias.shape)),
-    )  # [B|1, H|1, T|1, S|1]
+    return q, k, v, as_4d(attn_bias.to(work))  # ..., [B|1, H|1, T|1, S|1]
 
 
 def _finite_inputs(q: Tensor, k: Tensor, v: Tensor, attn_bias: Tensor | None) -> bool:
