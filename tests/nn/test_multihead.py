@@ -10,6 +10,7 @@ import qkv
 from qkv import masks
 from qkv.masks import SlidingWindow
 from qkv.nn.multihead import MultiHeadAttention
+from reference_f64 import attention_f64
 
 
 def test_embed_dim_not_divisible_names_the_numbers() -> None:
@@ -29,19 +30,14 @@ def test_bad_input_width_is_rejected() -> None:
 
 
 def _manual(mha: MultiHeadAttention, x: Tensor, src: Tensor, blocked: Tensor | None) -> Tensor:
-    """Projections and per-head attention spelled out, in float64, one head at a time."""
+    """Projections spelled out, the heads split by hand, attention by the float64 formula."""
     H, Dh = mha.num_heads, mha.head_dim
-    q = (x @ mha.q_proj.weight.T + mha.q_proj.bias).double()
-    k = (src @ mha.k_proj.weight.T + mha.k_proj.bias).double()
-    v = (src @ mha.v_proj.weight.T + mha.v_proj.bias).double()
-    heads = []
-    for h in range(H):
-        cols = slice(h * Dh, (h + 1) * Dh)
-        scores = q[..., cols] @ k[..., cols].transpose(-2, -1) / Dh**0.5  # [B, T, S]
-        if blocked is not None:
-            scores = scores.masked_fill(blocked[:, 0], float("-inf"))
-        heads.append(torch.softmax(scores, dim=-1) @ v[..., cols])  # [B, T, Dh]
-    merged = torch.cat(heads, dim=-1)  # [B, T, D]
+    q = (x @ mha.q_proj.weight.T + mha.q_proj.bias).double()  # [B, T, D]
+    k = (src @ mha.k_proj.weight.T + mha.k_proj.bias).double()  # [B, S, D]
+    v = (src @ mha.v_proj.weight.T + mha.v_proj.bias).double()  # [B, S, D]
+    q, k, v = (t.unflatten(-1, (H, Dh)).transpose(1, 2) for t in (q, k, v))  # [B, H, L, Dh]
+    heads, _ = attention_f64(q, k, v, blocked)  # [B, H, T, Dh]
+    merged = heads.transpose(1, 2).flatten(2)  # [B, T, D]
     return merged @ mha.out_proj.weight.T.double() + mha.out_proj.bias.double()
 
 
