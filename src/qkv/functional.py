@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, cast
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
+from qkv._deprecation import renamed_keyword
 from qkv.backends.call import Call, fit_of
 from qkv.backends.explain import explain
 from qkv.backends.plan import Plan, make_plan
@@ -200,15 +200,10 @@ def _validate(args: dict[str, Any], stacklevel: int = 3) -> Call:
     query, key, value, mask = args["query"], args["key"], args["value"], args["mask"]
     attn_bias, bias, backend = args["attn_bias"], args["bias"], args["backend"]
     block_q, block_k, scale = args["block_q"], args["block_k"], args["scale"]
-    if bias is not None:
-        if attn_bias is not None:
-            raise TypeError("got both attn_bias and its deprecated alias bias; pass attn_bias")
-        warnings.warn(
-            "bias= is deprecated, use attn_bias= (the score tensor added before the softmax)",
-            DeprecationWarning,
-            stacklevel=stacklevel,
-        )
-        attn_bias = bias
+    hint = "the score tensor added before the softmax"
+    attn_bias = renamed_keyword(
+        "bias", bias, "attn_bias", attn_bias, hint=hint, stacklevel=stacklevel
+    )
     validate_qkv(query, key, value, allow_gqa=True)
     p = check_probability("dropout_p", args["dropout_p"])
     if backend not in BACKENDS:

@@ -158,7 +158,7 @@ class SentenceEmbedder:
     Args:
         model_dir: checkpoint directory (``config.json``, ``model.safetensors``,
             ``tokenizer.json``); default :func:`default_model_dir`.
-        backend: attention backend of the encoder (one of ``qkv.attention.BACKENDS``).
+        backend: attention backend of the encoder (one of ``qkv.BACKENDS``).
         batch_size: sentences per forward pass.
 
     Raises:

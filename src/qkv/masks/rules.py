@@ -21,6 +21,7 @@ explicit ``offset`` (not both); see :mod:`qkv.masks.tiles`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -28,6 +29,8 @@ from torch import Tensor
 from qkv.checks import check_positive_int
 from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask, query_offset, resolve_alignment
 from qkv.masks.validate import as_4d, validate_mask
+
+_M = TypeVar("_M")
 
 
 class StructuredMask:
@@ -423,7 +426,7 @@ class AnyOf(StructuredMask):
         for p in parts:
             if not isinstance(p, StructuredMask):
                 raise TypeError(f"AnyOf parts must be StructuredMask, got {type(p).__name__}")
-            flat.extend(p.parts if isinstance(p, AnyOf) else [p])
+            flat.extend(parts_of(p))
         self.parts = tuple(flat)
 
     def __repr__(self) -> str:
@@ -455,6 +458,12 @@ class AnyOf(StructuredMask):
         if _by_value() and bool(out.all()):
             return EMPTY
         return out
+
+
+def parts_of(mask: _M) -> tuple[_M, ...]:
+    """The parts of a combined rule (an :class:`AnyOf`'s, already flat), else ``(mask,)``:
+    what a planner walks to see every rule of a mask (anything else passes as its own part)."""
+    return cast("tuple[_M, ...]", mask.parts) if isinstance(mask, AnyOf) else (mask,)
 
 
 class Dense(StructuredMask):

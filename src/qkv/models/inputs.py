@@ -8,12 +8,11 @@ Shapes: B batch, L sequence length.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
 import qkv.masks as masks
+from qkv._deprecation import renamed_keyword
 from qkv.checks import checks_values
 from qkv.nn.kv_cache import KVCache
 
@@ -187,13 +186,6 @@ def resolve_kv_cache(kv_cache: KVCache | None, cache: KVCache | None) -> KVCache
     """``kv_cache``, or the deprecated ``cache=`` keyword (one release) with a warning.
 
     Raises:
-        ValueError: both given.
+        TypeError: both given.
     """
-    if cache is None:
-        return kv_cache
-    warnings.warn(
-        "the cache= keyword is deprecated; pass kv_cache= instead", DeprecationWarning, stacklevel=3
-    )
-    if kv_cache is not None:
-        raise ValueError("pass kv_cache= only, not both kv_cache= and the deprecated cache=")
-    return cache
+    return renamed_keyword("cache", cache, "kv_cache", kv_cache, stacklevel=3)
