@@ -1,6 +1,5 @@
 """``qkv`` command line: every argparse definition of the package is in this file; each
-subcommand's handler calls an importable function (``benchmarks/attention.py`` runs ``qkv bench``
-through :func:`main` too)."""
+subcommand's handler calls an importable function."""
 
 from __future__ import annotations
 
@@ -15,9 +14,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-import torch
-
-from qkv.apps.bench import CASES, format_table, run_benchmarks
 from qkv.apps.demo import print_demo, run_demo
 from qkv.apps.doctor import run_doctor
 from qkv.apps.embed import SentenceEmbedder, embed, format_embed
@@ -35,7 +31,6 @@ from qkv.functional import BACKENDS
 from qkv.train.config import POSITIONALS, SCHEDULES, TASKS, TrainConfig
 
 __all__ = [
-    "add_bench_arguments",
     "add_generate_arguments",
     "add_plot_arguments",
     "add_train_arguments",
@@ -133,16 +128,6 @@ def _text_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} is a dangling symbolic link")
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
-    return text
-
-
-def _device(text: str) -> str:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
     return text
 
 
@@ -390,38 +375,6 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
     _add_threads(p)
 
 
-_CASE_SLUGS = {re.sub(r"[^a-z0-9]+", "-", c.lower()).strip("-"): c for c in CASES}
-"""``--cases`` spellings (lower case, no spaces: ``4-documents-causal``) -> the table's names."""
-
-
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """``qkv bench [--quick] [--repeats N] [--device cuda] [--threads N] [--cases ...]
-    [--lengths ...] [--compile]``."""
-    p.add_argument("--quick", action="store_true", help="lengths / 8: a smoke run")
-    p.add_argument(
-        "--cases",
-        nargs="+",
-        choices=list(_CASE_SLUGS),
-        default=None,
-        help="masks to run (default all)",
-    )
-    p.add_argument(
-        "--lengths", nargs="+", type=_positive, default=None, help="L values (default 1k-16k)"
-    )
-    p.add_argument(
-        "--repeats", type=_positive, default=None, help="timed runs per entry (default 5, quick 2)"
-    )
-    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N]")
-    p.add_argument(
-        "--threads", type=_positive, default=None, help="torch CPU threads (default: unchanged)"
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="add compiled flex_attention as a peer and qkv auto with compilation allowed",
-    )
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     print_demo(run_demo(seed=args.seed))
     return 0
@@ -469,20 +422,6 @@ def _cmd_embed(args: argparse.Namespace) -> int:
             "print each one's nearest with --top-k K, or the vectors with --embeddings"
         )
     print(format_embed(embed(items, args.model, backend=args.backend)))
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    rows, mm, mem = run_benchmarks(
-        quick=args.quick,
-        repeats=args.repeats,
-        device=args.device,
-        threads=args.threads,
-        cases=None if args.cases is None else [_CASE_SLUGS[c] for c in args.cases],
-        lengths=args.lengths,
-        compile=args.compile,
-    )
-    print(format_table(rows, mm, mem))
     return 0
 
 
@@ -545,14 +484,14 @@ _COMMANDS: tuple[tuple[str, str, str, _Adder, _Handler], ...] = (
         add_plot_arguments,
         run_plot,
     ),
-    (
-        "bench",
-        "time qkv's attention backends against torch SDPA",
-        "qkv bench --quick",
-        add_bench_arguments,
-        _cmd_bench,
-    ),
 )
+
+
+_MOVED = {
+    "bench": "the attention benchmark is a script of the repository now, not a subcommand: "
+    "run python benchmarks/attention.py (same options)",
+}
+"""Subcommands that left the package -> where they went (one line, exit 2)."""
 
 
 def _version() -> str:
@@ -594,12 +533,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit code: 0; 2 after printing an error (bad input, a file that cannot be read or
-        written, a checkpoint that cannot be trusted) as one line ``qkv CMD: error: ...`` on
+        written, a checkpoint that cannot be trusted, a subcommand that left the package such as
+        ``bench``) as one line ``qkv CMD: error: ...`` on
         stderr, never a traceback; 130 / 143 after a training run stopped by SIGINT / SIGTERM
         (it saves first, or not after a second signal, which exits 128 + that signal too);
         130 for Ctrl-C elsewhere; 141 when stdout is a closed pipe
         (``qkv ... | head``).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in _MOVED:
+        return _fail(argv[0], _MOVED[argv[0]])
     args = build_parser().parse_args(argv)
     try:
         code = int(args.func(args))

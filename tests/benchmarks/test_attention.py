@@ -1,11 +1,32 @@
-"""The benchmark table runs end to end (tiny sizes; speed is measured only in benchmarks/)."""
+"""``benchmarks/attention.py`` runs end to end (tiny sizes; speed is measured only by running it).
 
+The script and its siblings (``attention_cases.py``, ``attention_timing.py``) are imported from
+their paths, as ``python benchmarks/attention.py`` imports them.
+"""
+
+import importlib
+import runpy
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 from qkv.apps import cli
-from qkv.apps.bench import CASES, SDPA_BACKWARD, Row, format_table, run_benchmarks
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+def _script() -> ModuleType:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))  # the siblings, as when run as a script
+        return importlib.import_module("attention")
+
+
+bench = _script()
+CASES, SDPA_BACKWARD, Row = bench.CASES, bench.SDPA_BACKWARD, bench.Row
+format_table, run_benchmarks = bench.format_table, bench.run_benchmarks
 
 
 def test_table_has_every_case_side_by_side() -> None:
@@ -45,7 +66,7 @@ def test_compile_adds_flex_peer_forward_only_on_cpu_and_qkv_with_compile_allowed
     assert any("compiled flex_attention's first call" in n for n in notes)
 
 
-def test_cli_bench_passes_its_options_and_prints_the_table(
+def test_main_passes_its_options_and_prints_the_table(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen: dict[str, Any] = {}
@@ -54,11 +75,33 @@ def test_cli_bench_passes_its_options_and_prints_the_table(
         seen.update(kwargs)  # then a real run, shrunk to fit a unit test
         return run_benchmarks(repeats=1, shrink=64, lengths=(1024,), cases=kwargs["cases"])
 
-    monkeypatch.setattr(cli, "run_benchmarks", tiny)
-    assert cli.main(["bench", "--quick", "--repeats", "3", "--cases", "none"]) == 0
-    assert seen["quick"] is True and seen["repeats"] == 3 and seen["cases"] == ["none"]
+    monkeypatch.setattr(bench, "run_benchmarks", tiny)
+    assert bench.main(["--quick", "--repeats", "3", "--cases", "4-documents-causal"]) == 0
+    assert seen["quick"] is True and seen["repeats"] == 3
+    assert seen["cases"] == ["4 documents | Causal"]  # the slug names the table's case
     assert seen["lengths"] is None and seen["compile"] is False and seen["device"] == "cpu"
     table = capsys.readouterr().out
-    assert "| none " in table and "qkv auto" in table
-    with pytest.raises(SystemExit):  # an unknown mask is refused by name, before any run
-        cli.build_parser().parse_args(["bench", "--cases", "nope"])
+    assert "| 4 documents \\| Causal " in table and "qkv auto" in table
+    for bad in (["--cases", "nope"], ["--device", "meta"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):  # refused by name, before any run
+            bench.build_parser().parse_args(bad)
+
+
+def test_the_script_runs_from_its_path(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = BENCHMARKS / "attention.py"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert "usage: benchmarks/attention.py" in capsys.readouterr().out
+
+
+def test_qkv_bench_names_the_script(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["bench"], ["bench", "--quick", "--cases", "none"], ["bench", "--help"]):
+        assert cli.main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        assert err.startswith("qkv bench: error:") and "python benchmarks/attention.py" in err
