@@ -21,7 +21,9 @@ BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 def _script() -> ModuleType:
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))  # the siblings, as when run as a script
-        return importlib.import_module("attention")
+        module = importlib.import_module("attention")
+    assert Path(module.__file__ or "").parent == BENCHMARKS, module  # not another "attention"
+    return module
 
 
 bench = _script()
