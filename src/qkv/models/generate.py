@@ -5,8 +5,9 @@ decoding of left-padded prompts, streamed step by step (decoder-only), with the 
 Every loop feeds only the newest token(s) to the model; the cache supplies the rest, so a step
 costs the same at position 10 as at position 1000 (up to the attention over the cache).
 
-This module imports no model module at run time (the models import it); the models reach it
-through :meth:`Transformer.generate` / :meth:`DecoderOnlyLM.generate`.
+This module imports no model module (the models import it): what it needs from a model is the
+Protocols of :mod:`qkv.models.protocols`; the models reach it through
+:meth:`Transformer.generate` / :meth:`DecoderOnlyLM.generate`.
 
 Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 """
@@ -14,7 +15,6 @@ Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,11 +23,8 @@ from qkv.checks import check_bool, check_positive_int
 from qkv.models.beam import beam_decode, check_beam_options, forced_token
 from qkv.models.decoding import DecodingOptions, check_stop_ids, seen_tokens
 from qkv.models.inputs import check_ids, key_padding
+from qkv.models.protocols import DecoderOnlyModel, EncoderDecoderModel
 from qkv.models.static_decode import StaticDecoder, static_capacity
-
-if TYPE_CHECKING:
-    from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.transformer import Transformer
 
 __all__ = [
     "beam_decoder_only",
@@ -51,7 +48,7 @@ def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
 
 
 def greedy_encoder_decoder(
-    model: Transformer, src: Tensor, max_new_tokens: int, src_padding_mask: Tensor | None
+    model: EncoderDecoderModel, src: Tensor, max_new_tokens: int, src_padding_mask: Tensor | None
 ) -> Tensor:
     """Greedy decoding; see :meth:`Transformer.generate`."""
     c = model.config
@@ -77,7 +74,7 @@ def greedy_encoder_decoder(
 
 
 def beam_search(
-    model: Transformer,
+    model: EncoderDecoderModel,
     src: Tensor,
     max_new_tokens: int,
     src_padding_mask: Tensor | None,
@@ -114,7 +111,7 @@ def beam_search(
 
 
 def beam_decoder_only(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     max_new_tokens: int,
     *,
@@ -213,7 +210,7 @@ def prompt_padding(ids: Tensor, padding_mask: Tensor | None, pad_id: int | None)
 
 
 def stream_decoder_only(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     max_new_tokens: int,
     *,
@@ -258,7 +255,7 @@ def stream_decoder_only(
 
 
 def _decoder_only_steps(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     n: int,
     is_pad: Tensor | None,
@@ -299,7 +296,7 @@ def _decoder_only_steps(
 
 
 def generate_decoder_only(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     max_new_tokens: int,
     *,
