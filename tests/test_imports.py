@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import qkv
 
 PACKAGE_DIR = Path(qkv.__file__).parent
@@ -139,7 +137,7 @@ def _first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                raise _Cycle([*stack[stack.index(nxt) :], nxt])
+                raise _CycleFoundError([*stack[stack.index(nxt) :], nxt])
             if nxt not in state:
                 dfs(nxt)
         stack.pop()
@@ -149,12 +147,12 @@ def _first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         for node in sorted(graph):
             if node not in state:
                 dfs(node)
-    except _Cycle as found:
+    except _CycleFoundError as found:
         return found.path
     return None
 
 
-class _Cycle(Exception):
+class _CycleFoundError(Exception):
     def __init__(self, path: list[str]) -> None:
         super().__init__(" -> ".join(path))
         self.path = path
