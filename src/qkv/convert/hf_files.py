@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from qkv.convert.hf_rules import (
+    Header,
     Rule,
     check_against,
     check_layers,
@@ -62,15 +62,6 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_JSON_BYTES = 64 * 2**20
 """The largest ``config.json`` or index read (a real one is a few kB, an index a few MB)."""
-
-
-@dataclass(frozen=True)
-class Header:
-    """One tensor of a safetensors file, as its header describes it."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    file: Path
 
 
 def _allowed_roots(root: Path) -> list[Path]:

@@ -13,15 +13,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # annotations only: hf_files re-exports this module's names
-    from qkv.convert.hf_files import Header
-
 __all__ = [
+    "Header",
     "Kind",
     "Rule",
     "check_against",
@@ -32,6 +31,16 @@ __all__ = [
     "listing",
     "to_qkv",
 ]
+
+
+@dataclass(frozen=True)
+class Header:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    file: Path
+
 
 _SHOW = 12  # names listed per kind of problem in an error message
 
