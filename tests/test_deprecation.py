@@ -95,6 +95,10 @@ def test_renamed_keywords_and_attributes_warn_and_still_work() -> None:
             "qkv.embed is deprecated; use qkv.apps.embed "
             "(e.g. from qkv.apps.embed import SentenceEmbedder)",
         ),
+        (
+            "qkv.checks",
+            "qkv.checks is deprecated; use qkv._checks (argument checks are internal to qkv)",
+        ),
     ],
 )
 def test_moved_modules_warn_and_still_work(module: str, message: str) -> None:

@@ -19,7 +19,7 @@ PACKAGE_DIR = Path(qkv.__file__).parent
 # Layers from the bottom up (docs/ARCHITECTURE.md). A module may import from its own layer and
 # the layers below it, never from a layer above. The aliases kept for one release sit on top.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("qkv._deprecation", "qkv.checks", "qkv.dropout"),
+    ("qkv._deprecation", "qkv._checks", "qkv.dropout"),
     ("qkv.masks",),
     ("qkv.backends",),
     ("qkv.functional",),
@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("qkv.doctor",),
     ("qkv.train",),
     ("qkv.apps",),
-    ("qkv.structured_masks", "qkv.embed", "qkv.__main__"),
+    ("qkv.structured_masks", "qkv.embed", "qkv.checks", "qkv.__main__"),
 )
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
+from qkv._checks import check_positive_int, check_probability
 from qkv._deprecation import renamed_keyword
 from qkv.backends.call import Call, fit_of
 from qkv.backends.explain import explain
@@ -47,7 +48,6 @@ from qkv.backends.plan import Plan, make_plan
 from qkv.backends.reference import reference_attention
 from qkv.backends.run import overflowed, run_in_float64, run_plan
 from qkv.backends.shared import planned, values_checked
-from qkv.checks import check_positive_int, check_probability
 from qkv.masks import StructuredMask
 from qkv.masks.validate import as_4d, validate_mask
 

@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.convert.hf_bert import check_checkpoint_dir, load_bert
 from qkv.convert.hf_files import inside
 from qkv.models.bert import BertConfig

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.masks.combine import AnyOf, Dense, StructuredMask, by_value, classify, parts_of
 from qkv.masks.tiles import EMPTY, FULL, Align, Tile, TileMask, query_offset, resolve_alignment
 from qkv.masks.validate import as_4d

@@ -18,8 +18,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from qkv._checks import check_positive_int, check_probability, checks_values
 from qkv.backends.shared import share_plans
-from qkv.checks import check_positive_int, check_probability, checks_values
 from qkv.dropout import Dropout
 from qkv.functional import BACKENDS, Backend
 from qkv.masks import from_hf
@@ -234,7 +234,7 @@ class BertEncoder(nn.Module):
             padding_mask: qkv's spelling of the same padding, as every qkv model takes it: bool
                 ``[B, T]``, True = padding. Give this or ``attention_mask``, not both.
             validate: check the id and mask values (host syncs); False, or tracing / compiling,
-                skips them (see :func:`qkv.checks.checks_values`) and each attention output's
+                skips them (see :func:`qkv._checks.checks_values`) and each attention output's
                 overflow look (see :func:`qkv.backends.shared.share_plans`): the layers then
                 share one attention plan, with one host sync at most (a padding mask's
                 lengths). A checked mask without any padding is dropped (attention runs

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
-from qkv._deprecation import RenamedAttribute, renamed_keyword
-from qkv.checks import (
+from qkv._checks import (
     check_bool,
     check_nonnegative_int,
     check_positive_int,
     check_probability,
 )
+from qkv._deprecation import RenamedAttribute, renamed_keyword
 from qkv.nn.feed_forward import ACTIVATIONS, Activation
 from qkv.nn.norms import NORMS, NormKind
 from qkv.nn.positions import POSITIONALS, ROPE_LAYOUTS, Positional, RopeLayout

@@ -17,8 +17,8 @@ from typing import Any, TypeVar, Unpack
 import torch
 from torch import Tensor, nn
 
+from qkv._checks import check_nonnegative_int
 from qkv.backends.shared import share_plans
-from qkv.checks import check_nonnegative_int
 from qkv.dropout import Dropout
 from qkv.models.beam import check_beam_options
 from qkv.models.config import DecoderOnlyConfig
@@ -212,7 +212,7 @@ class DecoderOnlyLM(nn.Module):
             cache: deprecated spelling of ``kv_cache`` (one release).
             validate: check the id values (a host sync per call) and each attention output
                 for a float32 overflow (see :func:`qkv.backends.shared.share_plans`); False,
-                or tracing / compiling, skips both (see :func:`qkv.checks.checks_values`).
+                or tracing / compiling, skips both (see :func:`qkv._checks.checks_values`).
             logits_to_keep: the logits of the last this many positions only (``transformers``'
                 argument of that name; 0: all). A prompt's prefill needs the last one: the head
                 over every position would cost ``T * D * V`` multiply-adds for nothing.

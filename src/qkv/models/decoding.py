@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.checks import check_bool, check_nonnegative_int, check_positive_int
+from qkv._checks import check_bool, check_nonnegative_int, check_positive_int
 
 __all__ = [
     "DecodingOptions",

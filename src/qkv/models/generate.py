@@ -20,7 +20,7 @@ from typing import TypedDict, cast
 import torch
 from torch import Tensor
 
-from qkv.checks import check_bool, check_positive_int
+from qkv._checks import check_bool, check_positive_int
 from qkv.models.beam import beam_decode, check_beam_options, forced_token
 from qkv.models.decoding import DecodingOptions, check_stop_ids, seen_tokens
 from qkv.models.inputs import check_ids, key_padding

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 import qkv.masks as masks
+from qkv._checks import checks_values
 from qkv._deprecation import renamed_keyword
-from qkv.checks import checks_values
 from qkv.nn.kv_cache import KVCache
 
 __all__ = [
@@ -43,7 +43,7 @@ def check_ids(
         field: what ``vocab`` is called (a config field such as ``"type_vocab_size"``).
         shape: the exact shape wanted (default: any non-empty ``[B, L]``).
         validate: check the id values too (a host sync); skipped anyway while tracing or
-            compiling (see :func:`qkv.checks.checks_values`). Dtype and shape are always checked.
+            compiling (see :func:`qkv._checks.checks_values`). Dtype and shape are always checked.
 
     Returns:
         ``ids``.
@@ -83,7 +83,7 @@ def key_padding(
         is_pad: bool ``[B, L]``, True = padding, or None.
         ids: the ``[B, L]`` tokens it describes.
         name: the argument's name, for the message.
-        validate: see :func:`qkv.checks.checks_values`.
+        validate: see :func:`qkv._checks.checks_values`.
 
     Returns:
         ``is_pad``, or None.
@@ -120,7 +120,7 @@ def padding_from_ids(
         padding_mask: bool ``[B, L]``, True = padding, or None.
         pad_id: the padding token, or None (then no padding unless a mask is given).
         name: the mask argument's name, for the message.
-        validate: see :func:`qkv.checks.checks_values`.
+        validate: see :func:`qkv._checks.checks_values`.
 
     Returns:
         bool ``[B, L]``, or None when nothing is padding.
@@ -156,7 +156,7 @@ def self_attention_padding(
         name: the mask argument's name, for the message.
         kv_cache: the decoding cache: its padding is extended by this call's, and the positions
             continue from its ``length``; None: positions start at 0.
-        validate: see :func:`qkv.checks.checks_values`.
+        validate: see :func:`qkv._checks.checks_values`.
 
     Returns:
         ``(mask, offset, positions)``: bool ``[B, 1, 1, S]`` (True = blocked, ``S`` = cached +

@@ -117,7 +117,7 @@ class Transformer(nn.Module):
             src: source ids ``[B, S]``.
             src_padding_mask: bool ``[B, S]``, True = padding, or None.
             validate: check the id values (a host sync per call); False, or tracing /
-                compiling, skips it (see :func:`qkv.checks.checks_values`).
+                compiling, skips it (see :func:`qkv._checks.checks_values`).
 
         Returns:
             bool ``[B, S]``, or None when nothing is padding.

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qkv._checks import check_positive_int
 from qkv._deprecation import RenamedAttribute, renamed_keyword
-from qkv.checks import check_positive_int
 
 __all__ = ["KVCache"]
 
