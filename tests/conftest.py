@@ -1,11 +1,16 @@
-"""Shared test settings: deterministic seeds, CPU threads sized for a 2-core machine, and the
-hypothesis profiles."""
+"""Shared test settings: deterministic seeds, CPU threads sized for a 2-core machine, the
+hypothesis profiles, and tests/ on ``sys.path`` for the shared helper modules
+(``reference_f64``)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 
 torch.set_num_threads(2)
+sys.path.insert(0, str(Path(__file__).parent))
 
 # Hypothesis profiles. Property tests take their example count from the profile, not from
 # their own @settings, so one switch sizes them all:

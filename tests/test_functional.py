@@ -17,22 +17,11 @@ from torch import Tensor
 
 import qkv
 from qkv.masks import causal_mask, combine, padding_mask, sliding_window_mask, to_sdpa_bool
+from reference_f64 import attention_f64
 
 B, H, T, S, Dh, Dv = 2, 3, 5, 9, 8, 6
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def reference_f64(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The formula in float64, written out independently of qkv; all-blocked rows give 0."""
-    q, k, v = q.double(), k.double(), v.double()
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, T, S]
-    if blocked is not None:
-        scores = scores.masked_fill(blocked, float("-inf"))
-    scores = scores.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [B, H, T, 1]
-    weights = torch.where(dead, 0.0, torch.softmax(scores.masked_fill(dead, 0.0), dim=-1))
-    return weights @ v, weights
 
 
 def naive_same_precision(
@@ -83,7 +72,7 @@ def test_matches_float64_reference(kind: str, dtype: torch.dtype) -> None:
         blocked[..., 0] = False  # keep every row alive; dead rows have their own tests
     q, k, v = _inputs(dtype)
     out, weights = qkv.scaled_dot_product_attention(q, k, v, blocked)
-    ref_out, ref_w = reference_f64(q, k, v, blocked)
+    ref_out, ref_w = attention_f64(q, k, v, blocked)
     assert out.dtype == dtype and weights.dtype == dtype
     assert out.shape == (B, H, T, Dv) and weights.shape == (B, H, T, S)
     if dtype == torch.float32:
@@ -113,7 +102,7 @@ def test_matches_torch_sdpa(kind: str, dtype: torch.dtype) -> None:
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask)
     if dtype in LOW_PRECISION:
         # Both round differently from float64; neither may be more than 2x worse than naive.
-        ref64, _ = reference_f64(q, k, v, blocked)
+        ref64, _ = attention_f64(q, k, v, blocked)
         err = (out.double() - ref64).abs().max()
         torch_err = (ref.double() - ref64).abs().max()
         assert err <= 2 * torch_err + torch.finfo(dtype).eps, (err, torch_err)
@@ -149,7 +138,7 @@ def test_fp16_overflowing_dot_products_stay_finite() -> None:
     assert not torch.isfinite(naive_same_precision(q, k, v, None)[0]).all()
     out, weights = qkv.scaled_dot_product_attention(q, k, v)
     assert torch.isfinite(out).all() and torch.isfinite(weights).all()
-    ref_out, ref_w = reference_f64(q, k, v, None)
+    ref_out, ref_w = attention_f64(q, k, v, None)
     # Only the final rounding to float16 remains: within one float16 ulp of the reference.
     torch.testing.assert_close(out.double(), ref_out, atol=0, rtol=2 * 2**-10)
     torch.testing.assert_close(weights.double(), ref_w, atol=2**-11, rtol=2 * 2**-10)
@@ -201,7 +190,7 @@ def test_fully_blocked_rows_give_exact_zero_and_finite_grads() -> None:
     for g in (q.grad, k.grad, v.grad):
         assert g is not None and torch.isfinite(g).all()
     assert q.grad is not None and bool((q.grad[dead] == 0).all())
-    ref_out, _ = reference_f64(q.detach(), k.detach(), v.detach(), blocked)
+    ref_out, _ = attention_f64(q.detach(), k.detach(), v.detach(), blocked)
     torch.testing.assert_close(out.detach().double(), ref_out, atol=1e-5, rtol=1.3e-6)
 
 
@@ -237,7 +226,7 @@ def test_dropout_weights_are_the_ones_multiplied_with_v() -> None:
     q, k, v = _inputs(torch.float64)
     blocked = MASKS["padding"]
     out, weights = qkv.scaled_dot_product_attention(q, k, v, blocked, 0.5, True)
-    _, undropped = reference_f64(q, k, v, blocked)
+    _, undropped = attention_f64(q, k, v, blocked)
     kept = weights != 0
     assert int((undropped != 0).sum() - kept.sum()) > 0  # some weights really were dropped
     torch.testing.assert_close(weights[kept], undropped[kept] / 0.5)  # survivors scaled 1/(1-p)

@@ -51,7 +51,7 @@ def test_version_matches_the_installed_distribution() -> None:
 
 def test_embed_alias_reexports_and_warns() -> None:
     sys.modules.pop("qkv.embed", None)
-    with pytest.warns(DeprecationWarning, match=r"import from qkv\.apps\.embed"):
+    with pytest.warns(DeprecationWarning, match=r"use qkv\.apps\.embed"):
         old = importlib.import_module("qkv.embed")
     new = importlib.import_module("qkv.apps.embed")
     for name in new.__all__:

@@ -3,7 +3,7 @@
 Public API::
 
     qkv.attention(q, k, v, mask=..., is_causal=...)           # the attention function
-    qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # fused / blockwise too
+    qkv.attention(q, k, v, mask=qkv.Causal(), backend="blockwise")  # any of qkv.BACKENDS
     qkv.explain_backend(q, k, v, mask=...)                    # which backend, and why
     p = qkv.plan(q, k, v, mask=...); qkv.attention(q, k, v, mask=..., plan=p)  # plan once
     with qkv.use_policy(band_max_share=0.3): ...               # every tuning constant

@@ -4,15 +4,11 @@
 ``from qkv.apps.embed import SentenceEmbedder`` instead.
 """
 
-import warnings
-
 import qkv.apps.embed as _embed
+from qkv._deprecation import warn_deprecated
 
-warnings.warn(
-    "qkv.embed is deprecated: import from qkv.apps.embed (e.g. from qkv.apps.embed import "
-    "SentenceEmbedder)",
-    DeprecationWarning,
-    stacklevel=2,
+warn_deprecated(
+    "qkv.embed", "qkv.apps.embed", hint="e.g. from qkv.apps.embed import SentenceEmbedder"
 )
 
 __all__ = list(_embed.__all__)

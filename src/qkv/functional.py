@@ -3,6 +3,21 @@
 Shapes (one alphabet everywhere): B batch, H query heads, Hkv key/value heads, T query length,
 S key length, Dh query/key width, Dv value width.
 
+:func:`attention` dispatches to backends that all compute the same thing (fully masked rows give
+0 with finite gradients, float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right
+``is_causal``, dropout, ``attn_bias``) and differ in speed, memory and whether they return
+weights: ``"reference"`` (explicit, returns weights), ``"fused"`` (PyTorch SDPA),
+``"blockwise"`` (online softmax, skips fully masked tiles), ``"flex"`` (compiled
+``flex_attention``; forward only on CPU; ``"auto"`` uses it only inside
+:func:`qkv.allow_compile`); ``"auto"`` chooses by the rules of :mod:`qkv.backends.plan`.
+:func:`plan` takes the same arguments and returns the :class:`Plan` a call would run (which
+backend, the pieces or tiles, and why, as records); :func:`explain_backend` says it in words.
+
+Causal alignment: ``is_causal`` is **bottom-right aligned** like every causal mask in qkv: query
+``i`` sits at absolute position ``i + S - T``, which is what a KV cache needs and equals
+PyTorch's top-left ``is_causal`` when ``T == S``. For top-left with ``T != S`` pass
+``mask=Causal(align="top_left")``.
+
 Masks follow qkv's one convention (see :mod:`qkv.masks`): a bool tensor broadcastable to
 ``[B, H, T, S]``, **True = this key may NOT be attended**. A query row whose keys are all
 blocked gets weights 0 and output 0, with finite gradients.
@@ -18,7 +33,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, cast
 
@@ -26,13 +40,14 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
+from qkv._checks import check_positive_int, check_probability
+from qkv._deprecation import renamed_keyword
 from qkv.backends.call import Call, fit_of
 from qkv.backends.explain import explain
 from qkv.backends.plan import Plan, make_plan
 from qkv.backends.reference import reference_attention
 from qkv.backends.run import overflowed, run_in_float64, run_plan
 from qkv.backends.shared import planned, values_checked
-from qkv.checks import check_positive_int, check_probability
 from qkv.masks import StructuredMask
 from qkv.masks.validate import as_4d, validate_mask
 
@@ -200,15 +215,10 @@ def _validate(args: dict[str, Any], stacklevel: int = 3) -> Call:
     query, key, value, mask = args["query"], args["key"], args["value"], args["mask"]
     attn_bias, bias, backend = args["attn_bias"], args["bias"], args["backend"]
     block_q, block_k, scale = args["block_q"], args["block_k"], args["scale"]
-    if bias is not None:
-        if attn_bias is not None:
-            raise TypeError("got both attn_bias and its deprecated alias bias; pass attn_bias")
-        warnings.warn(
-            "bias= is deprecated, use attn_bias= (the score tensor added before the softmax)",
-            DeprecationWarning,
-            stacklevel=stacklevel,
-        )
-        attn_bias = bias
+    hint = "the score tensor added before the softmax"
+    attn_bias = renamed_keyword(
+        "bias", bias, "attn_bias", attn_bias, hint=hint, stacklevel=stacklevel
+    )
     validate_qkv(query, key, value, allow_gqa=True)
     p = check_probability("dropout_p", args["dropout_p"])
     if backend not in BACKENDS:
@@ -279,87 +289,57 @@ def attention(
     bias: Tensor | None = None,
     plan: Plan | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Attention with keyword options: the entry point the modules use.
-
-    Every backend computes the same thing (fully masked rows give 0 with finite gradients,
-    float16/bfloat16 computed in float32, GQA, ``T != S``, bottom-right ``is_causal``, dropout,
-    ``attn_bias``); they differ in speed, memory and whether they return weights.
-    :func:`qkv.plan` takes the same arguments and returns the :class:`Plan` a call would run
-    (which backend, the pieces or tiles, and why, as records); :func:`explain_backend` says it
-    in words.
+    """Attention with keyword options: the entry point the modules use (the backends and the
+    causal alignment: see the module; :func:`plan` and :func:`explain_backend` take the same
+    arguments).
 
     Args:
         query: ``[B, H, T, Dh]``.
-        key: ``[B, Hkv, S, Dh]``; ``H`` must be a multiple of ``Hkv`` (grouped-query attention).
+        key: ``[B, Hkv, S, Dh]``; ``H`` a multiple of ``Hkv`` (grouped-query attention).
         value: ``[B, Hkv, S, Dv]``.
-        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked (see :mod:`qkv.masks`), or a
-            mask rule from :mod:`qkv.masks` (``Causal``, ``SlidingWindow``, ``Padding``,
-            ``Documents``, ``MaskMod``, ``Dense`` and their ``|``), which the blockwise backend
-            uses without materializing it.
+        mask: bool broadcastable to ``[B, H, T, S]``, True = blocked, or a rule of
+            :mod:`qkv.masks` (``Causal``, ``Padding``, ``Documents``, ... and their ``|``).
         attn_bias: float broadcastable to ``[B, H, T, S]`` added to the scores (e.g. ALiBi).
-        is_causal: also block future keys, **bottom-right aligned** like every causal mask in
-            qkv: query ``i`` sits at absolute position ``i + S - T``, which is what a KV cache
-            needs and equals PyTorch's top-left ``is_causal`` when ``T == S``. For top-left with
-            ``T != S`` pass ``mask=Causal(align="top_left")``.
+        is_causal: also block future keys, bottom-right aligned (see the module).
         scale: score multiplier; default ``1 / sqrt(Dh)``.
         need_weights: also return the ``[B, H, T, S]`` weights (reference backend).
         dropout_p: dropout on the weights, in ``[0, 1]``, used only when ``training``.
         training: apply dropout.
-        backend: ``"auto"`` (see :mod:`qkv.backends.plan`), ``"reference"`` (explicit,
-            returns weights), ``"fused"`` (PyTorch SDPA), ``"blockwise"`` (online softmax,
-            skips fully masked tiles) or ``"flex"`` (compiled ``flex_attention``; forward only on
-            CPU; ``auto`` uses it only inside :func:`qkv.allow_compile`).
-        block_q: blockwise tile height (query rows); need not divide T. Default 256, or a
-            sliding window's width (see :func:`qkv.backends.tiles.default_blocks`).
-        block_k: blockwise tile width (keys); need not divide S. Default 512, or likewise.
+        backend: ``"auto"``, ``"reference"``, ``"fused"``, ``"blockwise"`` or ``"flex"``.
+        block_q, block_k: blockwise tile height and width (need not divide T, S); default 256
+            and 512, or a sliding window's width (:func:`qkv.backends.tiles.default_blocks`).
         bias: deprecated alias of ``attn_bias`` (warns; kept for one release).
-        plan: a plan from :func:`qkv.plan` for these very inputs (same shapes, dtype, device,
-            mask and options), run without planning again; None plans the call.
+        plan: a plan from :func:`qkv.plan` for these very inputs, run without planning again.
 
     Returns:
         ``(output [B, H, T, Dv], weights [B, H, T, S] or None)``.
 
     Raises:
-        TypeError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that is not a
-            float tensor, a scale or block sizes of the wrong type (bools included), both
-            ``attn_bias`` and ``bias``, or a ``plan`` that is not a :class:`Plan`.
-        ValueError: as :func:`scaled_dot_product_attention`, plus an ``attn_bias`` that does
-            not broadcast, an unknown backend, a scale that is not finite and positive, a
-            non-positive block size, a structured mask that does not fit (a ``Dense`` part is
-            checked like a tensor mask, never cropped), ``need_weights`` with the fused or
-            blockwise backend, a ``plan`` made for another call.
+        TypeError: as :func:`scaled_dot_product_attention`; an ``attn_bias`` not float, a scale
+            or block size of the wrong type, both ``attn_bias`` and ``bias``, a non-Plan plan.
+        ValueError: as :func:`scaled_dot_product_attention`; an ``attn_bias`` that does not
+            broadcast, an unknown backend, a bad scale or block size, a structured mask that
+            does not fit (a ``Dense`` part is never cropped), ``need_weights`` with the fused
+            or blockwise backend, a ``plan`` made for another call.
     """
+    arguments = dict(locals())  # nothing else is bound yet: exactly this call's arguments
     if has_torch_function((query, key, value)):
-        # a TorchFunctionMode (qkv.doctor.watch) or a tensor subclass sees this call, as it
-        # sees F.scaled_dot_product_attention; without one this is one C-level check
-        result: tuple[Tensor, Tensor | None] = handle_torch_function(
-            attention,
-            (query, key, value),
-            query,
-            key,
-            value,
-            mask=mask,
-            attn_bias=attn_bias,
-            is_causal=is_causal,
-            scale=scale,
-            need_weights=need_weights,
-            dropout_p=dropout_p,
-            training=training,
-            backend=backend,
-            block_q=block_q,
-            block_k=block_k,
-            bias=bias,
-            plan=plan,
-        )
-        return result
-    # Nothing else is bound yet, so locals() is exactly this call's arguments, by name: the
-    # parameters above are the one list of them (plan and explain_backend bind the same names).
-    call = _validate(locals())
+        return _dispatched(arguments)
+    call = _validate(arguments)
     chosen = planned(call) if plan is None else _check_fit(plan, call)
     out, weights = run_plan(call, chosen)
     if values_checked() and overflowed(call, out):
         out, weights = run_in_float64(call, chosen)
     return out, weights
+
+
+def _dispatched(arguments: dict[str, Any]) -> tuple[Tensor, Tensor | None]:
+    """:func:`attention`'s call handed to the ``TorchFunctionMode`` or tensor subclass that
+    sees it (:mod:`qkv.doctor` sees it as it sees ``F.scaled_dot_product_attention``)."""
+    qkv = (arguments["query"], arguments["key"], arguments["value"])
+    options = {k: v for k, v in arguments.items() if k not in ("query", "key", "value")}
+    result: tuple[Tensor, Tensor | None] = handle_torch_function(attention, qkv, *qkv, **options)
+    return result
 
 
 _P = ParamSpec("_P")

@@ -5,15 +5,11 @@
 the rules and tiles of :mod:`qkv.masks`, plus ``Union`` (now ``AnyOf``).
 """
 
-import warnings
-
 import qkv.masks as _masks
+from qkv._deprecation import warn_deprecated
 
-warnings.warn(
-    "qkv.structured_masks is deprecated: import the rules from qkv.masks "
-    "(e.g. from qkv.masks import Causal, Padding)",
-    DeprecationWarning,
-    stacklevel=2,
+warn_deprecated(
+    "qkv.structured_masks", "qkv.masks", hint="e.g. from qkv.masks import Causal, Padding"
 )
 
 # the rules and tile names of qkv.masks (its capitalized ones), as they were here in 0.1

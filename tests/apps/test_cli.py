@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import runpy
 import shutil
 import subprocess
 import sys
@@ -96,15 +95,4 @@ def test_every_parser_is_defined_in_cli() -> None:
         for path in package.rglob("*.py")
         if re.search(r"ArgumentParser|add_argument\(|add_subparsers", path.read_text("utf-8"))
     )
-    assert defining == ["apps/cli.py"]
-
-
-def test_the_benchmark_script_runs_qkv_bench(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    script = Path(__file__).parents[2] / "benchmarks" / "attention.py"
-    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(script), run_name="__main__")
-    assert exit_info.value.code == 0
-    assert "usage: qkv bench" in capsys.readouterr().out
+    assert defining == ["apps/cli.py", "apps/cli_args.py"]

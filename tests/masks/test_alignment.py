@@ -7,8 +7,6 @@ by every spelling; every builder is its rule's ``materialize``.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import Tensor
@@ -23,21 +21,13 @@ from qkv.masks import (
     padding_mask,
     sliding_window_mask,
 )
+from reference_f64 import attention_f64
 
 SHAPES = [(3, 7), (5, 5), (7, 3)]  # T < S, T == S, T > S
 
 
 def _lower_right(T: int, S: int) -> Tensor:
     return ~causal_lower_right(T, S)._materialize()  # [T, S], torch: True = may attend
-
-
-def _attention_f64(q: Tensor, k: Tensor, v: Tensor, blocked: Tensor) -> Tensor:
-    """Float64 recomputation; rows with every key blocked give 0."""
-    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [B, H, T, S]
-    scores = scores.masked_fill(blocked, float("-inf"))  # [B, H, T, S]
-    dead = blocked.all(dim=-1, keepdim=True)  # [1, 1, T, 1]
-    weights = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-    return weights @ v.double()  # [B, H, T, Dv]
 
 
 @pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")  # T > S rows
@@ -76,7 +66,7 @@ def test_attention_is_causal_is_the_default_causal_mask(T: int, S: int, backend:
     q = torch.randn(2, 3, T, 8, generator=g)
     k = torch.randn(2, 3, S, 8, generator=g)
     v = torch.randn(2, 3, S, 4, generator=g)
-    want = _attention_f64(q, k, v, causal_mask(T, S))
+    want, _ = attention_f64(q, k, v, causal_mask(T, S))
     for kwargs in ({"is_causal": True}, {"mask": causal_mask(T, S)}, {"mask": Causal()}):
         out, _ = qkv.attention(q, k, v, backend=backend, **kwargs)  # type: ignore[arg-type]
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1.3e-6)

@@ -12,7 +12,7 @@ from qkv import masks
 
 def test_structured_masks_reexports_the_rules_and_warns() -> None:
     sys.modules.pop("qkv.structured_masks", None)
-    with pytest.warns(DeprecationWarning, match=r"import the rules from qkv\.masks"):
+    with pytest.warns(DeprecationWarning, match=r"use qkv\.masks"):
         old = importlib.import_module("qkv.structured_masks")
     for name in ("Causal", "SlidingWindow", "Padding", "Documents", "MaskMod", "Dense"):
         assert getattr(old, name) is getattr(masks, name), name

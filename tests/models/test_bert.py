@@ -258,7 +258,7 @@ def test_unpad_matches_padded_path_on_any_padding(attention_mask: list) -> None:
         packed = model(ids, mask, types, unpad=True)
         encoder = model.encoder(model.embeddings(ids, types), mask[:, None, None, :] == 0)
     torch.testing.assert_close(packed[real], padded[real])
-    torch.testing.assert_close(padded, encoder)  # the lean loop is the Encoder's
+    torch.testing.assert_close(padded, encoder)  # the float bias is the bool mask
     if bool(real.all()):
         torch.testing.assert_close(packed, padded)
     else:
@@ -294,14 +294,17 @@ def test_unpad_gives_the_padded_paths_gradients() -> None:
     torch.testing.assert_close(grads[1], grads[0])
 
 
-def test_fused_projection_follows_new_weights() -> None:
+def test_both_paths_follow_new_weights() -> None:
     model = BertEncoder(BertConfig(50, 16, 2, 4, 32)).eval()
     other = BertEncoder(BertConfig(50, 16, 2, 4, 32)).eval()
     ids = torch.randint(1, 50, (2, 6))
     with torch.inference_mode():
-        model(ids)  # builds the fused projections
+        mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+        model(ids), model(ids, mask, unpad=True)
         model.load_state_dict(other.state_dict())
         torch.testing.assert_close(model(ids), other(ids), atol=0.0, rtol=0.0)
+        unpadded = model(ids, mask, unpad=True)
+        torch.testing.assert_close(unpadded, other(ids, mask, unpad=True), atol=0.0, rtol=0.0)
     assert set(model.state_dict()) == set(other.state_dict())
 
 

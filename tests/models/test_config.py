@@ -143,5 +143,5 @@ def test_max_len_keyword_and_attribute_are_deprecated_aliases() -> None:
     assert cfg.max_positions == 9
     with pytest.warns(DeprecationWarning, match="max_positions"):
         assert cfg.max_len == 9
-    with pytest.raises(ValueError, match="max_positions only"), pytest.warns(DeprecationWarning):
+    with pytest.raises(TypeError, match="max_positions only"), pytest.warns(DeprecationWarning):
         DecoderOnlyConfig(vocab_size=4, max_len=9, max_positions=9)

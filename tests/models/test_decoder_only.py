@@ -189,5 +189,5 @@ def test_cache_keyword_is_a_deprecated_alias_of_kv_cache() -> None:
         got = model(ids, cache=old)
     torch.testing.assert_close(got, expected, atol=0.0, rtol=0.0)
     assert old.length == 5
-    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+    with pytest.raises(TypeError, match="kv_cache only"), pytest.warns(DeprecationWarning):
         model(ids, kv_cache=new, cache=old)

@@ -50,3 +50,16 @@ def test_an_eos_id_outside_the_vocabulary_is_refused(eos_id: int) -> None:
     model = DecoderOnlyLM(cfg).eval()
     with pytest.raises(ValueError, match=rf"eos_id must lie in \[0, vocab_size=11\), got {eos_id}"):
         model.generate(torch.randint(0, 11, (1, 2)), 3, eos_id=eos_id)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_keyword_that_is_no_option_is_refused(beam_size: int) -> None:
+    cfg = DecoderOnlyConfig(
+        vocab_size=11, d_model=8, num_heads=2, num_layers=1, dim_feedforward=16, max_positions=8
+    )
+    model = DecoderOnlyLM(cfg).eval()
+    ids = torch.randint(0, 11, (1, 2))
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['temprature'\]"):
+        model.generate(ids, 3, beam_size=beam_size, temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="temprature"):
+        model.stream(ids, 3, temprature=0.5)  # type: ignore[call-arg]

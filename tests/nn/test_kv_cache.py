@@ -50,7 +50,7 @@ def test_max_len_is_a_deprecated_alias_of_capacity() -> None:
     assert cache.capacity == 5
     with pytest.warns(DeprecationWarning, match="capacity"):
         assert cache.max_len == 5
-    with pytest.raises(ValueError, match="capacity only"), pytest.warns(DeprecationWarning):
+    with pytest.raises(TypeError, match="capacity only"), pytest.warns(DeprecationWarning):
         KVCache(2, 5, max_len=5)
     assert "capacity=5" in repr(cache)
 

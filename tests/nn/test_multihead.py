@@ -10,6 +10,7 @@ import qkv
 from qkv import masks
 from qkv.masks import SlidingWindow
 from qkv.nn.multihead import MultiHeadAttention
+from reference_f64 import attention_f64
 
 
 def test_embed_dim_not_divisible_names_the_numbers() -> None:
@@ -28,20 +29,21 @@ def test_bad_input_width_is_rejected() -> None:
         mha(torch.randn(2, 4, 8), torch.randn(2, 3, 8))
 
 
-def _manual(mha: MultiHeadAttention, x: Tensor, src: Tensor, blocked: Tensor | None) -> Tensor:
-    """Projections and per-head attention spelled out, in float64, one head at a time."""
+def _projected(mha: MultiHeadAttention, x: Tensor, src: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries (from ``x``), keys and values (from ``src``) projected by hand in float64, split
+    into heads: ``[B, H, T, Dh]``, ``[B, H, S, Dh]`` twice."""
     H, Dh = mha.num_heads, mha.head_dim
-    q = (x @ mha.q_proj.weight.T + mha.q_proj.bias).double()
-    k = (src @ mha.k_proj.weight.T + mha.k_proj.bias).double()
-    v = (src @ mha.v_proj.weight.T + mha.v_proj.bias).double()
-    heads = []
-    for h in range(H):
-        cols = slice(h * Dh, (h + 1) * Dh)
-        scores = q[..., cols] @ k[..., cols].transpose(-2, -1) / Dh**0.5  # [B, T, S]
-        if blocked is not None:
-            scores = scores.masked_fill(blocked[:, 0], float("-inf"))
-        heads.append(torch.softmax(scores, dim=-1) @ v[..., cols])  # [B, T, Dh]
-    merged = torch.cat(heads, dim=-1)  # [B, T, D]
+    q = (x @ mha.q_proj.weight.T + mha.q_proj.bias).double()  # [B, T, D]
+    k = (src @ mha.k_proj.weight.T + mha.k_proj.bias).double()  # [B, S, D]
+    v = (src @ mha.v_proj.weight.T + mha.v_proj.bias).double()  # [B, S, D]
+    q, k, v = (t.unflatten(-1, (H, Dh)).transpose(1, 2) for t in (q, k, v))  # [B, H, L, Dh]
+    return q, k, v
+
+
+def _manual(mha: MultiHeadAttention, x: Tensor, src: Tensor, blocked: Tensor | None) -> Tensor:
+    """Projections spelled out, the heads split by hand, attention by the float64 formula."""
+    heads, _ = attention_f64(*_projected(mha, x, src), blocked)  # [B, H, T, Dh]
+    merged = heads.transpose(1, 2).flatten(2)  # [B, T, D]
     return merged @ mha.out_proj.weight.T.double() + mha.out_proj.bias.double()
 
 
@@ -109,16 +111,13 @@ def test_record_weights_keeps_per_head_weights() -> None:
     mha = MultiHeadAttention(8, 2).eval()
     mha.record_weights = True
     x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
-    H, Dh = mha.num_heads, mha.head_dim
     for inp in (x, y):  # each forward replaces the record with its own weights
         _, w = mha(inp, need_weights=False)
         assert w is None
         kept = mha.last_weights
         assert kept is not None and not kept.requires_grad
-        q = (inp @ mha.q_proj.weight.T + mha.q_proj.bias).double().view(2, 3, H, Dh)
-        k = (inp @ mha.k_proj.weight.T + mha.k_proj.bias).double().view(2, 3, H, Dh)
-        scores = torch.einsum("bthd,bshd->bhts", q, k) / Dh**0.5  # [B, H, T, S]
-        torch.testing.assert_close(kept.double(), scores.softmax(-1), atol=1e-6, rtol=1e-6)
+        _, want = attention_f64(*_projected(mha, inp, inp))  # [B, H, T, S]
+        torch.testing.assert_close(kept.double(), want, atol=1e-6, rtol=1e-6)
 
 
 def test_dropout_only_in_training() -> None:

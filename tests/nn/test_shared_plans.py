@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
 from qkv.backends import plan as planning
+from qkv.models.bert import BertConfig, BertEncoder
 
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.unique_consecutive.default}
 
@@ -117,3 +118,44 @@ def test_validate_false_skips_only_the_overflow_look() -> None:
         qkv.backends.shared.share_plans(validate=1),  # type: ignore[arg-type]
     ):
         pass
+
+
+def test_a_bert_forward_syncs_once_with_padding_and_never_without() -> None:
+    model = BertEncoder(BertConfig(50, 32, 4, 4, 64)).eval()
+    ids = torch.randint(1, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with CountSyncs() as none:
+            model(ids, validate=False)
+        with CountSyncs() as padded:
+            model(ids, (~_padding()).long(), validate=False)
+        with CountSyncs() as qkv_spelling:
+            model(ids, padding_mask=_padding(), validate=False)
+    assert none.syncs == []
+    # the padding's live lengths, read once by the first layer's plan; 4 layers reuse it
+    assert padded.syncs == qkv_spelling.syncs == ["aten._to_copy.default"]
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_transformer_reads_each_padding_once_whatever_its_depth(layers: int) -> None:
+    """pad_id always gives the Transformer padding masks (``ids == pad_id``; unchecked with
+    ``validate=False``, so kept even where nothing is padding): one read for each attention
+    kind that takes one (encoder self, cross, decoder self), and no overflow look."""
+    torch.manual_seed(0)
+    config = qkv.TransformerConfig(
+        50, 50, d_model=32, num_heads=4, dim_feedforward=64, max_positions=64,
+        num_encoder_layers=layers, num_decoder_layers=layers,
+    )  # fmt: skip
+    model = qkv.Transformer(config).eval()
+    src = torch.randint(3, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    src[1, 11:] = config.pad_id
+    tgt = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with CountSyncs() as encode:
+            memory = model.encode(src, validate=False)
+        with CountSyncs() as decode:
+            model.decode(tgt, memory, src == config.pad_id, validate=False)
+        with CountSyncs() as forward:
+            model(src, tgt, validate=False)
+    assert encode.syncs == ["aten._to_copy.default"]
+    assert decode.syncs == ["aten._to_copy.default"] * 2  # the cross- and the self-attention
+    assert forward.syncs == encode.syncs + decode.syncs

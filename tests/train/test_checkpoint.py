@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from qkv import DecoderOnlyConfig, DecoderOnlyLM
 from qkv.train.checkpoint import (
     LOCK_NAME,
     CheckpointError,
-    check_weights_match,
+    build_model,
     load_checkpoint,
     restore_optimizer,
     save_checkpoint,
@@ -56,7 +57,6 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
     for k, v in model.state_dict().items():
         assert ckpt.weights[k].equal(v), k
     fresh, fresh_opt = _trained(0)
-    check_weights_match(fresh, ckpt.weights, "test")
     fresh.load_state_dict(ckpt.weights)
     restore_optimizer(fresh_opt, ckpt)
     a, b = opt.state_dict(), fresh_opt.state_dict()
@@ -164,13 +164,27 @@ def test_broken_manifest_is_refused(tmp_path: Path) -> None:
         load_checkpoint(tmp_path)
 
 
-def test_mismatch_names_key_and_shapes() -> None:
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
-    other = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
-    with pytest.raises(CheckpointError, match=r"'0\.weight' has shape \(6, 4\).*\(8, 4\)"):
-        check_weights_match(model, other.state_dict(), "ckpt")
-    weights = dict(model.state_dict())
-    weights.pop("1.bias")
-    weights["extra"] = torch.zeros(2)
-    with pytest.raises(CheckpointError, match=r"'1\.bias' is missing.*'extra'"):
-        check_weights_match(model, weights, "ckpt")
+def test_mismatch_names_key_and_shapes(tmp_path: Path) -> None:
+    # weights of a model with 12 hidden units under the config of one with 16: build_model refuses
+    small = {"vocab_size": 11, "max_positions": 16, "d_model": 8, "num_layers": 1, "num_heads": 2}
+    model = DecoderOnlyLM(DecoderOnlyConfig(dim_feedforward=12, **small))
+    config = DecoderOnlyConfig(dim_feedforward=16, **small).to_dict()
+    save_checkpoint(
+        tmp_path,
+        model=model,
+        model_type="decoder_only",
+        model_config=config,
+        task={"name": "none"},
+        step=0,
+    )
+    fc1 = r"'blocks\.layers\.0\.ffn\.fc1\.weight' has shape \(12, 8\).*\(16, 8\)"
+    with pytest.raises(CheckpointError, match=fc1):
+        build_model(load_checkpoint(tmp_path))
+    # the right config, but one key missing and one unexpected: both named
+    ckpt = load_checkpoint(tmp_path)
+    ckpt.model_config = model.config.to_dict()
+    assert build_model(ckpt).state_dict().keys() == model.state_dict().keys()
+    ckpt.weights.pop("blocks.norm.bias")
+    ckpt.weights["extra"] = torch.zeros(2)
+    with pytest.raises(CheckpointError, match=r"'blocks\.norm\.bias' is missing.*'extra'"):
+        build_model(ckpt)

@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.convert.hf_bert import check_checkpoint_dir, load_bert
 from qkv.convert.hf_files import inside
 from qkv.models.bert import BertConfig
@@ -158,7 +158,7 @@ class SentenceEmbedder:
     Args:
         model_dir: checkpoint directory (``config.json``, ``model.safetensors``,
             ``tokenizer.json``); default :func:`default_model_dir`.
-        backend: attention backend of the encoder (one of ``qkv.attention.BACKENDS``).
+        backend: attention backend of the encoder (one of ``qkv.BACKENDS``).
         batch_size: sentences per forward pass.
 
     Raises:

@@ -40,7 +40,6 @@ __all__ = [
     "checkpoint_attention",
     "grid_shape",
     "plot_attention",
-    "plot_checkpoint",
     "plot_checkpoint_positional",
     "plot_positional",
     "run_plot",
@@ -157,22 +156,6 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     return path
 
 
-def plot_checkpoint(
-    checkpoint: str | Path, text: str, out: str | Path, kinds: tuple[str, ...] | None = None
-) -> tuple[Path, str, tuple[int, int]]:
-    """Write the attention grid (rows: kind x layer, columns: heads) of ``text`` to ``out``.
-
-    Returns:
-        The PNG path, the decoded output, and the grid's (rows, columns).
-
-    Raises:
-        ValueError: an unknown kind; see :func:`~qkv.apps.recording.checkpoint_attention`.
-    """
-    maps, output = checkpoint_attention(checkpoint, text)
-    fig = plot_attention(maps, kinds, title=f"{text!r} -> {output!r}")
-    return save_figure(fig, out), output, grid_shape(maps, kinds)
-
-
 def plot_checkpoint_positional(
     checkpoint: str | Path, out: str | Path, length: int | None = None
 ) -> Path:
@@ -205,7 +188,7 @@ def run_plot(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: no ``input`` without ``--positional``; ``--html`` with ``--positional``;
-            see :func:`plot_checkpoint`.
+            see :func:`~qkv.apps.recording.checkpoint_attention`.
     """
     torch.set_num_threads(args.threads)
     if args.positional:

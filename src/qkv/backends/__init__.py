@@ -1,1 +1,1 @@
-"""Interchangeable attention backends; :mod:`qkv.attention` validates and dispatches."""
+"""Interchangeable attention backends; :func:`qkv.attention` validates, plans and dispatches."""

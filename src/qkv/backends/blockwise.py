@@ -8,7 +8,7 @@ O(T + S) for the rows, never O(T · S). It saves only the output and the row max
 backward recomputes each tile's probabilities from them (FlashAttention-2), in a custom
 :class:`torch.autograd.Function` rather than autograd over the loop.
 
-Inputs are validated by :mod:`qkv.attention`; float16/bfloat16 are computed in float32.
+Inputs are validated by :func:`qkv.attention`; float16/bfloat16 are computed in float32.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from qkv.backends.tile_ops import (
 )
 from qkv.backends.tiles import TilePlan, check_tiles, plan_tiles, resolve_blocks
 from qkv.masks import StructuredMask
+from qkv.masks.validate import as_4d
 
 __all__ = ["blockwise_attention"]
 
@@ -248,13 +249,7 @@ def _work_inputs(
     v = value.to(work).contiguous()  # [B, Hkv, S, Dv]
     if attn_bias is None:
         return q, k, v, None
-    lead = (1,) * (4 - attn_bias.dim())
-    return (
-        q,
-        k,
-        v,
-        attn_bias.to(work).reshape(lead + tuple(attn_bias.shape)),
-    )  # [B|1, H|1, T|1, S|1]
+    return q, k, v, as_4d(attn_bias.to(work))  # ..., [B|1, H|1, T|1, S|1]
 
 
 def _finite_inputs(q: Tensor, k: Tensor, v: Tensor, attn_bias: Tensor | None) -> bool:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from qkv.masks import StructuredMask
 
-__all__ = ["Call", "Fit", "fit_of", "mask_token"]
+__all__ = ["Call", "Fit", "fit_of", "mask_token", "needs_grad"]
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,13 @@ class Call:
     @property
     def needs_grad(self) -> bool:
         """Whether the call builds a graph for a gradient."""
-        return torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad
-            for x in (self.query, self.key, self.value, self.attn_bias)
-        )
+        return needs_grad(self.query, self.key, self.value, self.attn_bias)
+
+
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether a call on ``tensors`` builds a graph for a gradient: grad mode is on and one of
+    them (None skipped) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def mask_token(mask: Tensor | StructuredMask | None) -> tuple[object, ...] | None:

@@ -37,10 +37,21 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from qkv.backends.call import needs_grad
 from qkv.backends.policy import current_policy
 from qkv.backends.reference import compute_dtype, drop_blocked_keys
-from qkv.masks.rules import AnyOf, Dense, Documents, MaskMod, Padding, SlidingWindow, StructuredMask
+from qkv.masks.rules import (
+    AnyOf,
+    Dense,
+    Documents,
+    MaskMod,
+    Padding,
+    SlidingWindow,
+    StructuredMask,
+    parts_of,
+)
 from qkv.masks.tiles import EMPTY, Tile, TileMask, query_offset
+from qkv.masks.validate import as_4d
 
 __all__ = [
     "FlexKernelsExhaustedError",
@@ -103,8 +114,7 @@ def flex_refusal(
         return "flex takes no attn_bias in qkv (use backend='fused' or 'blockwise')"
     if dropout_p > 0 and training:
         return "flex has no attention dropout (use backend='blockwise' or 'fused')"
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if needs_grad and query.device.type == "cpu":
+    if needs_grad(query, key, value) and query.device.type == "cpu":
         return (
             "torch's flex_attention has no backward on CPU (inputs require grad); "
             "use backend='blockwise' for training on CPU"
@@ -198,7 +208,7 @@ def _block_status(
             if tm is EMPTY:
                 continue
             if isinstance(tm, Tensor):
-                tm = tm.reshape((1,) * (4 - tm.dim()) + tuple(tm.shape))  # [B|1, H|1, ·, ·]
+                tm = as_4d(tm)  # [B|1, H|1, ·, ·]
                 Bs, Hs = max(Bs, tm.shape[0]), max(Hs, tm.shape[1])
             found.append((i, j, tm))
     status = torch.zeros(Bs, Hs, nq, nk, dtype=torch.int8, device=device)
@@ -276,7 +286,7 @@ def _compiled_flex() -> Callable[..., Any]:
 
 def _dead_keys(rule: StructuredMask, B: int, S: int, device: torch.device) -> Tensor | None:
     """``[B|1, 1, 1, S]`` True at keys a ``Padding`` or tensor part blocks for every query."""
-    parts = rule.parts if isinstance(rule, AnyOf) else (rule,)
+    parts = parts_of(rule)
     dead: Tensor | None = None
     for p in parts:
         if isinstance(p, Padding):

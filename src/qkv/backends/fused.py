@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.backends.call import needs_grad
 from qkv.backends.policy import current_policy
 from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
 from qkv.masks import Align, causal_mask
@@ -92,8 +93,7 @@ def blockwise_trains_faster(
     # Shape comparisons last: under torch.export / compile exact_backward_possible is False,
     # and a comparison of symbolic lengths would add a guard on them.
     return (
-        torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        needs_grad(query, key, value, attn_bias)
         and exact_backward_possible(query.device, dropout_p, training)
         and pairs >= current_policy().exact_grad_blockwise_min_pairs
         and exact_backward_size_ok(B, H, T, S, query.element_size())
@@ -191,8 +191,7 @@ def _exact(
     off, hence inside ``_ExactBackward.forward`` itself)."""
     B, H, T, _ = query.shape
     return (
-        torch.is_grad_enabled()
-        and any(x is not None and x.requires_grad for x in (query, key, value, attn_bias))
+        needs_grad(query, key, value, attn_bias)
         and exact_backward_possible(query.device, dropout_p, training)
         and exact_backward_size_ok(B, H, T, key.shape[2], query.element_size())
     )

@@ -39,7 +39,7 @@ from torch import Tensor
 from qkv.backends.policy import Policy, current_policy
 from qkv.backends.reads import key_limits, runs
 from qkv.masks import StructuredMask
-from qkv.masks.rules import AnyOf, Dense, Documents, Padding, SlidingWindow
+from qkv.masks.rules import AnyOf, Dense, Documents, Padding, SlidingWindow, parts_of
 from qkv.masks.tiles import query_offset
 
 __all__ = [
@@ -186,7 +186,7 @@ class _Parts:
 
 
 def _split(mask: StructuredMask, T: int, S: int) -> _Parts:
-    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
+    parts = parts_of(mask)
     out = _Parts(causal=[], padding=[], documents=[], windows=[])
     assert out.causal is not None and out.padding is not None and out.documents is not None
     assert out.windows is not None
@@ -416,7 +416,7 @@ def reduction_of(
 def _with_tensor_as(run_mask: StructuredMask, padding: Padding) -> StructuredMask:
     """``run_mask`` (a :class:`Dense` tensor part, maybe ``| Causal``) with the tensor part
     replaced by the :class:`Padding` rule it is."""
-    parts = run_mask.parts if isinstance(run_mask, AnyOf) else (run_mask,)
+    parts = parts_of(run_mask)
     rules = [padding if isinstance(p, Dense) else p for p in parts]
     out = rules[0]
     for r in rules[1:]:
@@ -442,5 +442,5 @@ def padding_of_tensor(mask: Tensor, B: int) -> Padding | None:
 
 def _has_row_rules(mask: StructuredMask) -> bool:
     """Whether a mask's pieces may need ``[T, S]``-shaped masks (not only ``[B, 1, 1, S]``)."""
-    parts = mask.parts if isinstance(mask, AnyOf) else (mask,)
+    parts = parts_of(mask)
     return any(not isinstance(p, Padding) for p in parts)

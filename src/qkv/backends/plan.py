@@ -50,7 +50,8 @@ from qkv.backends.pieces import Reduction, reduction_of
 from qkv.backends.policy import POLICY, Policy, current_policy
 from qkv.backends.tiles import TilePlan, dense_tile_skip, plan_tiles, resolve_blocks
 from qkv.masks import StructuredMask
-from qkv.masks.rules import AnyOf, Causal, Dense, Documents, MaskMod, Padding, SlidingWindow
+from qkv.masks.rules import Causal, Dense, Documents, MaskMod, Padding, SlidingWindow, parts_of
+from qkv.masks.validate import as_4d
 
 __all__ = ["Plan", "Reason", "Rule", "blockwise_mask", "make_plan"]
 
@@ -146,7 +147,7 @@ def blockwise_mask(mask: Tensor | StructuredMask | None, is_causal: bool) -> Str
     """
     structured: StructuredMask | None
     if isinstance(mask, Tensor):
-        dense = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [B|1, H|1, T|1, S]
+        dense = as_4d(mask)  # [B|1, H|1, T|1, S]
         structured = Dense(dense)
     else:
         structured = mask
@@ -415,19 +416,15 @@ def _blockwise_plan(
     return _Choice("blockwise", reasons, tiles=tiles, mask=run_mask)
 
 
-def _parts(mask: object) -> tuple[object, ...]:
-    return mask.parts if isinstance(mask, AnyOf) else (mask,)
-
-
 def _cheap_to_classify(mask: StructuredMask) -> bool:
     """Whether every part answers a tile analytically (``Causal`` is a ``SlidingWindow``)."""
-    return all(isinstance(p, SlidingWindow | Padding | Documents) for p in _parts(mask))
+    return all(isinstance(p, SlidingWindow | Padding | Documents) for p in parts_of(mask))
 
 
 def _has_window(mask: StructuredMask | None) -> bool:
     """Whether a mask has a :class:`SlidingWindow` part with a window (not plain causal)."""
-    return any(isinstance(p, SlidingWindow) and p.window is not None for p in _parts(mask))
+    return any(isinstance(p, SlidingWindow) and p.window is not None for p in parts_of(mask))
 
 
 def _per_batch(mask: object) -> bool:
-    return any(isinstance(p, Padding | Documents | MaskMod | Dense) for p in _parts(mask))
+    return any(isinstance(p, Padding | Documents | MaskMod | Dense) for p in parts_of(mask))

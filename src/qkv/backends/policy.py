@@ -47,8 +47,8 @@ class Policy:
     Attributes:
         blockwise_min_pairs: below this many query-key pairs ``T · S`` blockwise's Python tile
             loop costs more than the tiles it skips, and a structured mask goes to SDPA.
-            Measured by ``qkv bench`` (``benchmarks/attention.py``), 2026-12-02: blockwise
-            lost to SDPA over the dense mask below L = 1024.
+            Measured by ``benchmarks/attention.py``, 2026-12-02: blockwise lost to SDPA over
+            the dense mask below L = 1024.
         blockwise_min_skip: the share of fully masked tiles from which skipping them beats
             SDPA over the dense mask. ``benchmarks/attention.py``, 2026-12-02.
         materialize_limit_bytes: a bool ``[T, S]`` mask plus SDPA's float copy (5 bytes a

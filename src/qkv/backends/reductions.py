@@ -20,6 +20,7 @@ from qkv.backends.reference import compute_dtype
 from qkv.backends.tiles import bias_tile
 from qkv.masks import EMPTY, FULL, StructuredMask, Tile
 from qkv.masks.rules import Causal, Dense
+from qkv.masks.validate import as_4d
 
 __all__ = ["reduced_attention"]
 
@@ -68,8 +69,7 @@ def reduced_attention(
         raise ValueError(f"the reduction was made for grid {reduction.grid}, not {(B, H, T, S)}")
     bias4 = None
     if attn_bias is not None:
-        lead = (1,) * (4 - attn_bias.dim())
-        bias4 = attn_bias.reshape(lead + tuple(attn_bias.shape))  # [B|1, H|1, T|1, S|1]
+        bias4 = as_4d(attn_bias)  # [B|1, H|1, T|1, S|1]
     run = _Run(reduction, query, value.shape[3], scale, dropout_p, training)
     outs = []
     for g in reduction.groups:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from qkv.dropout import dropout
+from qkv.masks.validate import as_4d
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -52,7 +53,7 @@ def drop_blocked_keys(key: Tensor, value: Tensor, mask: Tensor | None) -> tuple[
     """
     if mask is None:
         return key, value
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [B|1, H|1, T|1, S]
+    m = as_4d(mask)  # [B|1, H|1, T|1, S]
     dead = m.all(dim=2)  # [B|1, H|1, S]: blocked for every query
     Hm, Hkv = dead.shape[1], key.shape[1]
     if Hm != 1 and Hm != Hkv:

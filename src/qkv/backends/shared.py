@@ -9,7 +9,7 @@ same policy, and makes one otherwise. Outside it every call plans for itself.
 
 The scope also carries the model's ``validate``: with ``validate=False`` the eager look at each
 output for a float32 overflow (a host sync per call) is skipped, as the models' value checks
-are (:func:`qkv.checks.checks_values`).
+are (:func:`qkv._checks.checks_values`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qkv._checks import check_bool, checks_values
 from qkv.backends.call import Call, Fit, fit_of
 from qkv.backends.plan import Plan, make_plan
 from qkv.backends.policy import Policy, current_policy
-from qkv.checks import check_bool, checks_values
 
 __all__ = ["planned", "share_plans", "values_checked"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from qkv._checks import check_positive_int
 from qkv.backends.policy import current_policy
-from qkv.checks import check_positive_int
 from qkv.masks import EMPTY, FULL, SlidingWindow, StructuredMask, Tile, TileMask
 
 __all__ = [

@@ -391,7 +391,7 @@ def load_bert(
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or its shards).
-        backend: attention backend of every layer (one of ``qkv.attention.BACKENDS``).
+        backend: attention backend of every layer (one of ``qkv.BACKENDS``).
         device: where the parameters go.
         dtype: parameter dtype (checkpoint tensors are cast to it).
 

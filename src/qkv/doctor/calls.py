@@ -22,6 +22,7 @@ from torch import Tensor
 
 from qkv.doctor.weights import weights_rows
 from qkv.masks import causal_mask
+from qkv.masks.validate import as_4d
 
 __all__ = [
     "AttentionCall",
@@ -126,17 +127,13 @@ class AttentionCall:
         return _READING_TEXT[self.reading]
 
 
-def _as_4d(x: Tensor) -> Tensor:
-    return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)) if x.dim() < 4 else x
-
-
 def _split_mask(mask: Tensor | None, attend_is_true: bool) -> tuple[Tensor | None, Tensor | None]:
     """A mask of either dtype as (bool blocked, additive float), 4-D."""
     if mask is None:
         return None, None
     if mask.dtype == torch.bool:
-        return _as_4d(~mask if attend_is_true else mask), None
-    return None, _as_4d(mask)
+        return as_4d(~mask if attend_is_true else mask), None
+    return None, as_4d(mask)
 
 
 def _default_scale(query: Tensor, scale: float | None) -> float:
@@ -152,10 +149,10 @@ def from_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Att
     blocked, additive = _split_mask(mask, attend_is_true=True)
     return AttentionCall(
         api="F.scaled_dot_product_attention",
-        query=_as_4d(q),
-        key=_as_4d(k),
-        value=_as_4d(v),
-        output=_as_4d(output) if isinstance(output, Tensor) else None,
+        query=as_4d(q),
+        key=as_4d(k),
+        value=as_4d(v),
+        output=as_4d(output) if isinstance(output, Tensor) else None,
         scale=_default_scale(q, bound.get("scale")),
         blocked=blocked,
         additive=additive,
@@ -294,8 +291,8 @@ def from_qkv(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Atte
         value=v,
         output=out if isinstance(out, Tensor) else None,
         scale=_default_scale(q, kwargs.get("scale")),
-        blocked=None if mask is None else _as_4d(mask),
-        bias=None if bias is None else _as_4d(bias),
+        blocked=None if mask is None else as_4d(mask),
+        bias=None if bias is None else as_4d(bias),
         causal="bottom_right" if kwargs.get("is_causal") else None,
         reading="qkv",
         mask_shape=None if mask is None else tuple(mask.shape),
@@ -377,7 +374,7 @@ def from_hf_function(
         scale=_default_scale(q, bound.get("scaling")),
         blocked=blocked,
         additive=additive,
-        bias=None if not isinstance(bias, Tensor) else _as_4d(bias),
+        bias=None if not isinstance(bias, Tensor) else as_4d(bias),
         reading="hf",
         mask_shape=None if mask is None else tuple(mask.shape),
     )

@@ -24,7 +24,6 @@ no watch:
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import math
 import os
@@ -32,32 +31,42 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from qkv.doctor.calls import (
     AttentionCall,
-    from_flex,
     from_hf_function,
     from_mha,
-    from_qkv,
-    from_sdpa,
 )
-from qkv.functional import attention as qkv_attention
-
-if TYPE_CHECKING:
-    from qkv.doctor.watch import Watch
+from qkv.doctor.function_reads import READERS
 
 __all__ = ["WatchMode", "install", "uninstall"]
 
-from torch._higher_order_ops.flex_attention import flex_attention as _FLEX_HOP
 
-_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+class _Counts(Protocol):
+    calls: int
+
+
+class Watch(Protocol):
+    """What the interception needs of a :class:`qkv.doctor.watch` block (it imports this
+    module, so it is named here by what it does)."""
+
+    scoped: bool
+    mode: WatchMode
+
+    @property
+    def report(self) -> _Counts: ...
+
+    def observe(
+        self, make: Callable[[], AttentionCall], module: nn.Module | None, site: str
+    ) -> None: ...
+
+
 _MODULE_MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 # PyTorch's own classes with an inference fast path that any active mode disables (exact types:
 # a subclass may compute otherwise, so its inner calls stay visible)
@@ -139,68 +148,6 @@ def current_module() -> nn.Module | None:
 # ---------------------------------------------------------------- the torch function mode
 
 
-def _read_sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
-    return from_sdpa(args, kwargs, out)
-
-
-def _read_mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
-    bound = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
-    return from_mha((), bound, out, api="F.multi_head_attention_forward", batch_first=False)
-
-
-def _read_qkv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
-    return from_qkv(args, kwargs, out)
-
-
-def _read_flex(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> AttentionCall:
-    """The flex operator's call: ``(q, k, v, score_mod, block_mask tuple, scale, kernel_options,
-    score_mod buffers, mask_mod buffers)``; both mods take their buffers after the indices."""
-    q, k, v, score_mod, block_tuple, scale = args[:6]
-    score_buffers = (
-        tuple(args[7]) if len(args) > 7 else tuple(kwargs.get("score_mod_other_buffers", ()))
-    )
-    mask_buffers = (
-        tuple(args[8]) if len(args) > 8 else tuple(kwargs.get("mask_mod_other_buffers", ()))
-    )
-    mask_mod = block_tuple[-1] if isinstance(block_tuple, tuple) and block_tuple else None
-    output = out[0] if isinstance(out, tuple) else out
-    return from_flex(
-        q,
-        k,
-        v,
-        output,
-        scale,
-        None if mask_mod is None else functools.partial(_with_buffers, mask_mod, mask_buffers),
-        has_score_mod=not _is_identity(score_mod, score_buffers),
-    )
-
-
-def _with_buffers(fn: Any, buffers: tuple[Any, ...], *indices: Any) -> Any:
-    return fn(*indices, *buffers)
-
-
-def _is_identity(score_mod: Any, buffers: tuple[Any, ...]) -> bool:
-    """Whether a flex ``score_mod`` leaves scores unchanged (probed on a few values)."""
-    if score_mod is None:
-        return True
-    probe = torch.linspace(-3.0, 3.0, 6).view(1, 1, 2, 3)  # [1, 1, 2, 3]
-    idx = [torch.zeros((), dtype=torch.int64) for _ in range(4)]
-    try:
-        return bool(torch.equal(score_mod(probe, *idx, *buffers), probe))
-    except Exception:  # a score_mod that needs real indices: not known to be the identity
-        return False
-
-
-_READERS: dict[Any, Callable[..., AttentionCall]] = {
-    F.scaled_dot_product_attention: _read_sdpa,
-    F.multi_head_attention_forward: _read_mha,
-    qkv_attention: _read_qkv,
-    # flex_attention compiles its operator even in eager code; the compiled graph calls the
-    # operator eagerly, and that call is what the mode sees
-    _FLEX_HOP: _read_flex,
-}
-
-
 class WatchMode(TorchFunctionMode):
     """One watch's view of the torch functions: passes every call through unchanged and hands
     the attention calls to the watch afterwards."""
@@ -219,7 +166,7 @@ class WatchMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_dynamo_compiling():
             return func(*args, **kwargs)  # traced code is not watched (see watch())
-        reader = _READERS.get(func)
+        reader = READERS.get(func)
         if reader is None:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qkv.checks import check_nonnegative_int, check_positive_int
+from qkv._checks import check_nonnegative_int, check_positive_int
 from qkv.doctor.view_encode import (
     CODE_BELOW,
     CODE_INF,

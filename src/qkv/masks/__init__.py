@@ -8,8 +8,7 @@
 - :mod:`qkv.masks.tiles`: the ``Tile`` a rule is asked about, and the one alignment rule.
 """
 
-import warnings
-
+from qkv._deprecation import warn_deprecated
 from qkv.masks.builders import causal_mask, combine, padding_mask, sliding_window_mask
 from qkv.masks.convert import (
     from_additive,
@@ -66,11 +65,7 @@ __all__ = [  # Union, the deprecated alias of AnyOf, is left out so that * does 
 
 def __getattr__(name: str) -> object:
     if name == "Union":
-        warnings.warn(
-            "qkv.masks.Union is deprecated (it shadowed typing.Union): use qkv.masks.AnyOf, "
-            "or combine rules with |",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        hint = "it shadowed typing.Union; or combine rules with |"
+        warn_deprecated("qkv.masks.Union", "qkv.masks.AnyOf", hint=hint)
         return AnyOf
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.masks.rules import Causal, Padding, SlidingWindow
 from qkv.masks.tiles import Align
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkv.checks import checks_values
+from qkv._checks import checks_values
 from qkv.masks.builders import _check_bool, _check_tensor
 
 __all__ = [
@@ -103,7 +103,7 @@ def from_hf(attention_mask: Tensor, *, validate: bool = True) -> Tensor:
     Args:
         attention_mask: the mask, bool or numeric.
         validate: check that it holds only 0 and 1 (a host sync); skipped anyway while tracing
-            or compiling (see :func:`qkv.checks.checks_values`).
+            or compiling (see :func:`qkv._checks.checks_values`).
 
     Returns:
         bool ``[B, 1, 1, S]``, True = padding.

@@ -13,13 +13,15 @@ Shapes: B sources, K beams, L0 prefix length (``bos`` or the prompt), V vocabula
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 
 __all__ = ["beam_decode", "check_beam_options", "forced_token"]
 
@@ -68,12 +70,86 @@ def forced_token(scores: Tensor, step: int, n: int, bos: int | None, eos: int | 
     return out
 
 
-def _offer(
-    best: list[tuple[float, Tensor] | None], b: int, score: float, prefix: Tensor, tok: int
-) -> None:
-    entry = best[b]
-    if entry is None or score > entry[0]:
-        best[b] = (score, torch.cat([prefix, prefix.new_tensor([tok])]))
+@dataclass
+class _Finished:
+    """Each source's best finished hypothesis (score, tokens) and whether its search is over.
+
+    Args:
+        sources: B.
+        length_penalty: the exponent of the length normalisation.
+    """
+
+    sources: int
+    length_penalty: float
+    best: list[tuple[float, Tensor] | None] = field(init=False)
+    done: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.best = [None] * self.sources
+        self.done = [False] * self.sources
+
+    def offer(self, b: int, score: float, length: int, prefix: Tensor, tok: int) -> None:
+        """Source ``b``'s hypothesis ``prefix + [tok]`` of ``length`` generated tokens, whose
+        summed log-probability is ``score``, kept if it is the best so far (and ``b`` is open)."""
+        if self.done[b]:
+            return
+        score = score / length**self.length_penalty
+        entry = self.best[b]
+        if entry is None or score > entry[0]:
+            self.best[b] = (score, torch.cat([prefix, prefix.new_tensor([tok])]))
+
+    def settle(self, scores: Tensor, s: int, n: int) -> bool:
+        """Close the sources whose best finished score no live beam (``scores`` ``[B, K]``
+        after step ``s`` of ``n``) can still beat; whether all are closed."""
+        lp = self.length_penalty
+        for b in range(self.sources):
+            top_live = float(scores[b].max())
+            entry = self.best[b]
+            # a live beam ends with length in [s + 1, n] and score <= top_live <= 0
+            reach = top_live / (n**lp if lp >= 0 else (s + 1) ** lp)
+            if entry is not None and (top_live == float("-inf") or entry[0] >= reach):
+                self.done[b] = True
+        return all(self.done)
+
+    def padded(self, pad_id: int, device: torch.device) -> Tensor:
+        """The best hypotheses, long ``[B, L]``, right-padded with ``pad_id``."""
+        rows = [entry[1] for entry in self.best if entry is not None]
+        assert len(rows) == self.sources, "every source has a hypothesis after the first step"
+        L = max(r.shape[0] for r in rows)
+        out = torch.full((self.sources, L), pad_id, dtype=torch.long, device=device)  # [B, L]
+        for b, r in enumerate(rows):
+            out[b, : r.shape[0]] = r
+        return out
+
+
+def _select(
+    cand: Tensor, seqs: Tensor, s: int, K: int, stop: set[int], finished: _Finished, pad_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Step ``s``'s ``K`` best live continuations per source from the candidates ``cand``
+    ``[B, K*V]`` (summed log-probabilities); those ending in a stop id go to ``finished``.
+
+    Returns:
+        ``(scores, beam, token)``, each ``[B, K]``: the kept continuations' scores (``-inf``
+        where fewer than ``K`` are left), the beams they extend and their tokens.
+    """
+    B, dev = cand.shape[0], cand.device
+    V = cand.shape[1] // K
+    top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)  # [B, 2K]
+    new_scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
+    new_beam = torch.zeros((B, K), dtype=torch.long, device=dev)  # [B, K]
+    new_tok = torch.full((B, K), pad_id, dtype=torch.long, device=dev)  # [B, K]
+    for b in range(B):
+        j = 0
+        for sc, idx in zip(top_s[b].tolist(), top_i[b].tolist(), strict=True):
+            if sc == float("-inf") or j == K:
+                break
+            beam, tok = divmod(idx, V)
+            if tok in stop:
+                finished.offer(b, sc, s, seqs[b * K + beam], tok)
+                continue
+            new_scores[b, j], new_beam[b, j], new_tok[b, j] = sc, beam, tok
+            j += 1
+    return new_scores, new_beam, new_tok
 
 
 def beam_decode(
@@ -90,18 +166,16 @@ def beam_decode(
 ) -> Tensor:
     """Beam search from ``prefix``; returns each source's best hypothesis.
 
-    Each step extends every live beam by every token and keeps the ``K`` best continuations
-    that do not end in a stop id; one that does becomes a finished hypothesis. Live beams still
-    open after ``n`` steps finish there. A source stops early once its best finished score beats
-    an upper bound of what any live beam can still reach (log-probabilities only fall).
+    Each step keeps the ``K`` best continuations of the live beams that do not end in a stop
+    id; one that does is a finished hypothesis, and so is each beam still open after ``n``
+    steps. A source stops once its best finished score beats what a live beam can still reach.
 
     Args:
         step: ``[B*K, L]`` new tokens -> ``[B*K, V]`` logits of the next token; called first
             with ``prefix``, then with each step's ``[B*K, 1]`` chosen tokens.
         reorder: selects cache rows: row ``i`` becomes old row ``index[i]`` (long ``[B*K]``).
         prefix: long ``[B*K, L0]``, each source's prefix repeated ``K`` times.
-        beam_size: K.
-        max_new_tokens: n.
+        beam_size, max_new_tokens: K and n.
         length_penalty: the exponent of the length normalisation.
         stop_ids: tokens that finish a hypothesis (may be empty).
         pad_id: fills rows shorter than the longest.
@@ -111,62 +185,30 @@ def beam_decode(
         long ``[B, L0 + l]``, ``l <= n``: prefix, tokens, the stop id when produced, then
         ``pad_id``.
     """
-    K, n, lp = beam_size, max_new_tokens, length_penalty
+    K, n = beam_size, max_new_tokens
     B = prefix.shape[0] // K
     dev = prefix.device
-    stop = set(stop_ids)
     seqs = prefix  # [B*K, L]
     scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
     scores[:, 0] = 0.0
-    best: list[tuple[float, Tensor] | None] = [None] * B
-    done = [False] * B
+    finished = _Finished(B, length_penalty)
+    stop = set(stop_ids)
     step_in = prefix
     for s in range(1, n + 1):
         logp = torch.log_softmax(step(step_in).float(), dim=-1)  # [B*K, V]
         logp = forced_token(logp, s - 1, n, *forced)  # [B*K, V]
-        V = logp.shape[-1]
-        cand = (scores.reshape(B * K, 1) + logp).reshape(B, K * V)  # [B, K*V]
-        top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)  # [B, 2K]
-        new_scores = torch.full((B, K), float("-inf"), device=dev)  # [B, K]
-        new_beam = torch.zeros((B, K), dtype=torch.long, device=dev)  # [B, K]
-        new_tok = torch.full((B, K), pad_id, dtype=torch.long, device=dev)  # [B, K]
-        for b in range(B):
-            j = 0
-            for sc, idx in zip(top_s[b].tolist(), top_i[b].tolist(), strict=True):
-                if sc == float("-inf") or j == K:
-                    break
-                beam, tok = divmod(idx, V)
-                if tok in stop:
-                    if not done[b]:
-                        _offer(best, b, sc / s**lp, seqs[b * K + beam], tok)
-                    continue
-                new_scores[b, j], new_beam[b, j], new_tok[b, j] = sc, beam, tok
-                j += 1
-        flat = (torch.arange(B, device=dev)[:, None] * K + new_beam).reshape(-1)  # [B*K]
+        cand = (scores.reshape(B * K, 1) + logp).reshape(B, -1)  # [B, K*V]
+        scores, beam, tok = _select(cand, seqs, s, K, stop, finished, pad_id)
+        flat = (torch.arange(B, device=dev)[:, None] * K + beam).reshape(-1)  # [B*K]
         reorder(flat)
-        seqs = torch.cat([seqs[flat], new_tok.reshape(-1, 1)], dim=1)  # [B*K, L + 1]
-        scores = new_scores
-        if s == n:
-            for b in range(B):
-                for j in range(K):
-                    sc = float(scores[b, j])
-                    if sc > float("-inf") and not done[b]:
-                        _offer(best, b, sc / n**lp, seqs[b * K + j, :-1], int(seqs[b * K + j, -1]))
+        seqs = torch.cat([seqs[flat], tok.reshape(-1, 1)], dim=1)  # [B*K, L + 1]
+        if s == n:  # the beams still open finish here
+            for b, j in itertools.product(range(B), range(K)):
+                if float(scores[b, j]) > float("-inf"):
+                    row = seqs[b * K + j]  # [L + 1]
+                    finished.offer(b, float(scores[b, j]), n, row[:-1], int(row[-1]))
             break
-        for b in range(B):
-            top_live = float(scores[b].max())
-            entry = best[b]
-            # a live beam ends with length in [s + 1, n] and score <= top_live <= 0
-            reach = top_live / (n**lp if lp >= 0 else (s + 1) ** lp)
-            if entry is not None and (top_live == float("-inf") or entry[0] >= reach):
-                done[b] = True
-        if all(done):
+        if finished.settle(scores, s, n):
             break
-        step_in = new_tok.reshape(-1, 1)  # [B*K, 1]
-    rows = [entry[1] for entry in best if entry is not None]
-    assert len(rows) == B, "every source has a hypothesis after the first step"
-    L = max(r.shape[0] for r in rows)
-    out = torch.full((B, L), pad_id, dtype=torch.long, device=dev)  # [B, L]
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r
-    return out
+        step_in = tok.reshape(-1, 1)  # [B*K, 1]
+    return finished.padded(pad_id, dev)

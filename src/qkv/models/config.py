@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 
-from qkv.checks import (
+from qkv._checks import (
     check_bool,
     check_nonnegative_int,
     check_positive_int,
     check_probability,
 )
+from qkv._deprecation import RenamedAttribute, renamed_keyword
 from qkv.nn.feed_forward import ACTIVATIONS, Activation
 from qkv.nn.norms import NORMS, NormKind
 from qkv.nn.positions import POSITIONALS, ROPE_LAYOUTS, Positional, RopeLayout
@@ -88,14 +88,11 @@ def _accepts_max_len(cls: _T) -> _T:
     @functools.wraps(init)
     def init_accepting_max_len(self: Any, *args: Any, **kwargs: Any) -> None:
         if "max_len" in kwargs:
-            warnings.warn(
-                f"{cls.__name__}(max_len=) is deprecated; use max_positions=",
-                DeprecationWarning,
-                stacklevel=2,
+            old, new = kwargs.pop("max_len"), kwargs.pop("max_positions", None)
+            owner = cls.__name__
+            kwargs["max_positions"] = renamed_keyword(
+                "max_len", old, "max_positions", new, owner=owner
             )
-            if "max_positions" in kwargs:
-                raise ValueError(f"{cls.__name__}: give max_positions only, not also max_len")
-            kwargs["max_positions"] = kwargs.pop("max_len")
         init(self, *args, **kwargs)
 
     cls.__init__ = init_accepting_max_len  # type: ignore[misc]
@@ -213,15 +210,7 @@ class ModelConfig(ConfigDict):
         """Dh = ``d_model // num_heads``."""
         return self.d_model // self.num_heads
 
-    @property
-    def max_len(self) -> int:
-        """Deprecated alias of :attr:`max_positions` (one release)."""
-        warnings.warn(
-            f"{type(self).__name__}.max_len is deprecated; use max_positions",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.max_positions
+    max_len = RenamedAttribute[int]("max_positions")
 
     def positional_kwargs(self) -> dict[str, Any]:
         """The arguments of :func:`~qkv.nn.positions.make_positional` for a model built from

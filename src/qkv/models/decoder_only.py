@@ -11,18 +11,24 @@ Shapes: B batch, T new tokens, S cached + new tokens, D model width, V vocabular
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar, Unpack
 
 import torch
 from torch import Tensor, nn
 
+from qkv._checks import check_nonnegative_int
 from qkv.backends.shared import share_plans
-from qkv.checks import check_nonnegative_int
 from qkv.dropout import Dropout
 from qkv.models.beam import check_beam_options
 from qkv.models.config import DecoderOnlyConfig
-from qkv.models.generate import beam_decoder_only, generate_decoder_only, stream_decoder_only
+from qkv.models.generate import (
+    GenerateOptions,
+    beam_decoder_only,
+    generate_decoder_only,
+    generate_options,
+    stream_decoder_only,
+)
 from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import EncoderLayer
@@ -206,7 +212,7 @@ class DecoderOnlyLM(nn.Module):
             cache: deprecated spelling of ``kv_cache`` (one release).
             validate: check the id values (a host sync per call) and each attention output
                 for a float32 overflow (see :func:`qkv.backends.shared.share_plans`); False,
-                or tracing / compiling, skips both (see :func:`qkv.checks.checks_values`).
+                or tracing / compiling, skips both (see :func:`qkv._checks.checks_values`).
             logits_to_keep: the logits of the last this many positions only (``transformers``'
                 argument of that name; 0: all). A prompt's prefill needs the last one: the head
                 over every position would cost ``T * D * V`` multiply-adds for nothing.
@@ -242,60 +248,26 @@ class DecoderOnlyLM(nn.Module):
         ids: Tensor,
         max_new_tokens: int,
         *,
-        padding_mask: Tensor | None = None,
-        greedy: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        eos_id: int | Sequence[int] | None = None,
-        min_new_tokens: int = 0,
-        generator: torch.Generator | None = None,
-        streamer: Callable[[Tensor], object] | None = None,
-        static_cache: bool = False,
-        compile: bool = False,
         beam_size: int = 1,
         length_penalty: float = 1.0,
+        streamer: Callable[[Tensor], object] | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> Tensor:
-        """Continue the prompts with the KV cache: greedy, sampling or beam search; the options
-        and their order are those of ``transformers``' ``generate`` (see
-        :mod:`qkv.models.decoding`).
+        """Continue the prompts with the KV cache: greedy, sampling or beam search.
 
         Args:
             ids: prompts ``[B, T0]``; prompts of different lengths are left-padded.
             max_new_tokens: n, the most tokens appended.
-            padding_mask: bool ``[B, T0]``, True = padding, on the left of each row (each row
-                is then decoded as if alone: positions start at its first real token, and its
-                padding is never attended to). None: no padding, and a prompt holding
-                ``config.pad_id`` is refused (say which tokens are padding).
-            greedy: take the likeliest token instead of sampling (the sampling options
-                temperature, top_k, top_p, min_p are then refused, not ignored).
-            temperature: divides the logits before sampling (> 0).
-            top_k: sample among the k likeliest tokens only.
-            top_p: sample among the likeliest tokens whose probabilities sum to ``top_p``, in
-                ``(0, 1]``.
-            min_p: sample among tokens at least ``min_p`` times as likely as the likeliest.
-            repetition_penalty: > 0; a token already in the row (prompt or generated, padding
-                left out) has its logit divided by it when positive, multiplied when negative.
-            eos_id: stop id(s), an int or a list (default ``config.eos_id``); a row ends at
-                the first it produces, and its later positions hold ``pad_id`` (or the first
-                stop id when no ``pad_id`` is set).
-            min_new_tokens: the stop ids are banned until this many tokens are generated.
-            generator: random generator for reproducible sampling.
-            streamer: called with each step's tokens, long ``[B]``, as soon as they are chosen.
-            static_cache: decode with a fixed-shape
-                :class:`~qkv.nn.static_kv_cache.StaticKVCache` (:meth:`forward_static`);
-                the same tokens as the default growing :class:`KVCache`.
-            compile: also compile the decoding step with ``torch.compile(fullgraph=True)``
-                (implies ``static_cache``): it compiles once per batch size and cache capacity
-                (:mod:`qkv.models.static_decode`), then every step reuses the graph. The eager
-                path stays the default.
             beam_size: K > 1: beam search (deterministic, as ``transformers``' ``num_beams``
                 with ``do_sample=False``; :mod:`qkv.models.beam`); it takes ``padding_mask``,
                 ``eos_id`` and ``length_penalty`` only, and refuses the other options.
             length_penalty: beam search ranks finished hypotheses by
                 ``sum log p / length ** length_penalty`` (``length``: generated tokens).
+            streamer: called with each step's tokens, long ``[B]``, as soon as they are chosen.
+            **options: ``padding_mask``, ``greedy``, ``temperature``, ``top_k``, ``top_p``,
+                ``min_p``, ``repetition_penalty``, ``eos_id``, ``min_new_tokens``,
+                ``generator``, ``static_cache``, ``compile``: see
+                :class:`~qkv.models.generate.GenerateOptions`.
 
         Returns:
             long ``[B, T0 + n]`` (shorter when every row has stopped; beam search: each row's
@@ -306,80 +278,27 @@ class DecoderOnlyLM(nn.Module):
                 ``T0 + n > max_positions``, the options' ranges (see
                 :meth:`DecodingOptions.check`), a stop id outside the vocabulary, a
                 right-padded prompt, a row of padding only, ``pad_id`` in a prompt without a
-                ``padding_mask``.
+                ``padding_mask``, a keyword that is no option.
         """
+        opts = generate_options(options, self.config.eos_id)
         K, _ = check_beam_options(beam_size, length_penalty)
         if K > 1:
-            others = {
-                "temperature": temperature != 1.0,
-                "top_k": top_k is not None,
-                "top_p": top_p is not None,
-                "min_p": min_p is not None,
-                "repetition_penalty": repetition_penalty != 1.0,
-                "min_new_tokens": min_new_tokens != 0,
-                "generator": generator is not None,
-                "streamer": streamer is not None,
-                "static_cache": static_cache is not False,
-                "compile": compile is not False,
-            }
-            given = [name for name, set_ in others.items() if set_]
-            if given:
-                raise ValueError(
-                    f"beam_size={K} takes padding_mask, eos_id and length_penalty only; got "
-                    f"{', '.join(given)}"
-                )
             return beam_decoder_only(
-                self,
-                ids,
-                max_new_tokens,
-                padding_mask=padding_mask,
-                beam_size=K,
-                length_penalty=length_penalty,
-                eos_id=self.config.eos_id if eos_id is None else eos_id,
-            )
-        return generate_decoder_only(
-            self,
-            ids,
-            max_new_tokens,
-            streamer=streamer,
-            padding_mask=padding_mask,
-            generator=generator,
-            static_cache=static_cache,
-            compile=compile,
-            greedy=greedy,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            eos_id=self.config.eos_id if eos_id is None else eos_id,
-            min_new_tokens=min_new_tokens,
-        )
+                self, ids, max_new_tokens, beam_size=K, length_penalty=length_penalty,
+                streamer=streamer, **opts,
+            )  # fmt: skip
+        return generate_decoder_only(self, ids, max_new_tokens, streamer=streamer, **opts)
 
     def stream(
-        self,
-        ids: Tensor,
-        max_new_tokens: int,
-        *,
-        padding_mask: Tensor | None = None,
-        greedy: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        eos_id: int | Sequence[int] | None = None,
-        min_new_tokens: int = 0,
-        generator: torch.Generator | None = None,
-        static_cache: bool = False,
-        compile: bool = False,
+        self, ids: Tensor, max_new_tokens: int, **options: Unpack[GenerateOptions]
     ) -> Iterator[Tensor]:
         """:meth:`generate`, one step at a time: yields each step's tokens as they come.
 
         The arguments are checked when ``stream`` is called, not at the first step.
 
         Args:
-            ids ... generator, static_cache, compile: as :meth:`generate`.
+            ids, max_new_tokens: as :meth:`generate`.
+            **options: see :class:`~qkv.models.generate.GenerateOptions`.
 
         Returns:
             An iterator of long ``[B]`` tensors, one per generated position; it ends after n
@@ -388,20 +307,5 @@ class DecoderOnlyLM(nn.Module):
         Raises:
             TypeError / ValueError: as :meth:`generate`.
         """
-        return stream_decoder_only(
-            self,
-            ids,
-            max_new_tokens,
-            padding_mask=padding_mask,
-            generator=generator,
-            static_cache=static_cache,
-            compile=compile,
-            greedy=greedy,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            eos_id=self.config.eos_id if eos_id is None else eos_id,
-            min_new_tokens=min_new_tokens,
-        )
+        opts = generate_options(options, self.config.eos_id)
+        return stream_decoder_only(self, ids, max_new_tokens, **opts)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.checks import check_bool, check_nonnegative_int, check_positive_int
+from qkv._checks import check_bool, check_nonnegative_int, check_positive_int
 
 __all__ = [
     "DecodingOptions",
@@ -76,6 +76,43 @@ def check_stop_ids(eos_id: object, vocab_size: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))  # each an int by now
 
 
+def _sampling(
+    temperature: object, top_k: object, top_p: object, min_p: object
+) -> tuple[float, int | None, float | None, float | None]:
+    """The sampling options checked (see :meth:`DecodingOptions.check`), in that order."""
+    t = _number("temperature", temperature)
+    if not t > 0:
+        raise ValueError(f"temperature must be > 0, got {t}")
+    k = None if top_k is None else check_positive_int("top_k", top_k)
+    p = None if top_p is None else _number("top_p", top_p)
+    if p is not None and not 0 < p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {p}")
+    m = None if min_p is None else _number("min_p", min_p)
+    if m is not None and not 0 <= m <= 1:
+        raise ValueError(f"min_p must lie in [0, 1], got {m}")
+    return t, k, p, m
+
+
+def _refuse_sampling(t: float, k: int | None, p: float | None, m: float | None) -> None:
+    """A ValueError naming each sampling option given for greedy decoding, which would ignore
+    it (the values of ``temperature``, ``top_k``, ``top_p``, ``min_p``)."""
+    given = [
+        f"{name}={value!r}"
+        for name, value, neutral in (
+            ("temperature", t, 1.0),
+            ("top_k", k, None),
+            ("top_p", p, None),
+            ("min_p", m, None),
+        )
+        if value != neutral
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} only shape sampling; greedy decoding would ignore "
+            "them (pass greedy=False to sample)"
+        )
+
+
 @dataclass(frozen=True)
 class DecodingOptions:
     """Checked decoding options (build with :meth:`check`).
@@ -128,16 +165,7 @@ class DecodingOptions:
                 where it would be ignored.
         """
         check_bool("greedy", greedy)
-        t = _number("temperature", temperature)
-        if not t > 0:
-            raise ValueError(f"temperature must be > 0, got {t}")
-        k = None if top_k is None else check_positive_int("top_k", top_k)
-        p = None if top_p is None else _number("top_p", top_p)
-        if p is not None and not 0 < p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {p}")
-        m = None if min_p is None else _number("min_p", min_p)
-        if m is not None and not 0 <= m <= 1:
-            raise ValueError(f"min_p must lie in [0, 1], got {m}")
+        t, k, p, m = _sampling(temperature, top_k, top_p, min_p)
         r = _number("repetition_penalty", repetition_penalty)
         if not r > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = no penalty), got {r}")
@@ -148,21 +176,7 @@ class DecodingOptions:
                 "could satisfy both"
             )
         if greedy:
-            given = [
-                f"{name}={value!r}"
-                for name, value, neutral in (
-                    ("temperature", t, 1.0),
-                    ("top_k", k, None),
-                    ("top_p", p, None),
-                    ("min_p", m, None),
-                )
-                if value != neutral
-            ]
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)} only shape sampling; greedy decoding would ignore "
-                    "them (pass greedy=False to sample)"
-                )
+            _refuse_sampling(t, k, p, m)
         return cls(
             greedy=bool(greedy),
             temperature=t,

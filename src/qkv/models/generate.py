@@ -5,39 +5,125 @@ decoding of left-padded prompts, streamed step by step (decoder-only), with the 
 Every loop feeds only the newest token(s) to the model; the cache supplies the rest, so a step
 costs the same at position 10 as at position 1000 (up to the attention over the cache).
 
-This module imports no model module at run time (the models import it); the models reach it
-through :meth:`Transformer.generate` / :meth:`DecoderOnlyLM.generate`.
+This module imports no model module (the models import it): what it needs from a model is the
+Protocols of :mod:`qkv.models.protocols`; the models reach it through
+:meth:`Transformer.generate` / :meth:`DecoderOnlyLM.generate`.
 
 Shapes: B batch, K beams, S source length, V vocabulary, n ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypedDict, cast
 
 import torch
 from torch import Tensor
 
-from qkv.checks import check_bool, check_positive_int
+from qkv._checks import check_bool, check_positive_int
 from qkv.models.beam import beam_decode, check_beam_options, forced_token
 from qkv.models.decoding import DecodingOptions, check_stop_ids, seen_tokens
 from qkv.models.inputs import check_ids, key_padding
+from qkv.models.protocols import DecoderOnlyModel, EncoderDecoderModel
 from qkv.models.static_decode import StaticDecoder, static_capacity
 
-if TYPE_CHECKING:
-    from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.models.transformer import Transformer
-
 __all__ = [
+    "GenerateOptions",
     "beam_decoder_only",
     "beam_search",
     "check_beam_options",
     "generate_decoder_only",
+    "generate_options",
     "greedy_encoder_decoder",
     "prompt_padding",
     "stream_decoder_only",
 ]
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword options of :meth:`DecoderOnlyLM.generate` and :meth:`DecoderOnlyLM.stream`,
+    documented once; each is optional (the defaults in :data:`DEFAULTS`). The decoding options
+    and their order are those of ``transformers``' ``generate`` (see :mod:`qkv.models.decoding`).
+
+    Keys:
+        padding_mask: bool ``[B, T0]``, True = padding, on the left of each row (each row is
+            then decoded as if alone: positions start at its first real token, and its padding
+            is never attended to). None: no padding, and a prompt holding ``config.pad_id`` is
+            refused (say which tokens are padding).
+        greedy: take the likeliest token instead of sampling (the sampling options
+            temperature, top_k, top_p, min_p are then refused, not ignored).
+        temperature: divides the logits before sampling (> 0).
+        top_k: sample among the k likeliest tokens only.
+        top_p: sample among the likeliest tokens whose probabilities sum to ``top_p``, in
+            ``(0, 1]``.
+        min_p: sample among tokens at least ``min_p`` times as likely as the likeliest.
+        repetition_penalty: > 0; a token already in the row (prompt or generated, padding left
+            out) has its logit divided by it when positive, multiplied when negative.
+        eos_id: stop id(s), an int or a list (default ``config.eos_id``); a row ends at the
+            first it produces, and its later positions hold ``pad_id`` (or the first stop id
+            when no ``pad_id`` is set).
+        min_new_tokens: the stop ids are banned until this many tokens are generated.
+        generator: random generator for reproducible sampling.
+        static_cache: decode with a fixed-shape :class:`~qkv.nn.static_kv_cache.StaticKVCache`
+            (:meth:`DecoderOnlyLM.forward_static`); the same tokens as the default growing
+            :class:`~qkv.nn.kv_cache.KVCache`.
+        compile: also compile the decoding step with ``torch.compile(fullgraph=True)`` (implies
+            ``static_cache``): it compiles once per batch size and cache capacity
+            (:mod:`qkv.models.static_decode`), then every step reuses the graph. The eager path
+            stays the default.
+    """
+
+    padding_mask: Tensor | None
+    greedy: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float
+    eos_id: int | Sequence[int] | None
+    min_new_tokens: int
+    generator: torch.Generator | None
+    static_cache: bool
+    compile: bool
+
+
+DEFAULTS: dict[str, object] = {
+    "padding_mask": None,
+    "greedy": False,
+    "temperature": 1.0,
+    "top_k": None,
+    "top_p": None,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "eos_id": None,
+    "min_new_tokens": 0,
+    "generator": None,
+    "static_cache": False,
+    "compile": False,
+}
+"""Each :class:`GenerateOptions` key's default: the value that changes nothing."""
+
+
+def generate_options(options: Mapping[str, object], eos_id: int | None) -> GenerateOptions:
+    """Every :class:`GenerateOptions` key: the caller's, else its default.
+
+    Args:
+        options: the caller's keywords.
+        eos_id: the model's stop id, the default of ``eos_id``.
+
+    Returns:
+        The options, each key of :data:`DEFAULTS` set.
+
+    Raises:
+        TypeError: a keyword that is no option.
+    """
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise TypeError(f"unexpected keyword(s) {unknown}; the options are {sorted(DEFAULTS)}")
+    out = {**DEFAULTS, **options}
+    if out["eos_id"] is None:
+        out["eos_id"] = eos_id
+    return cast(GenerateOptions, out)
 
 
 def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
@@ -51,7 +137,7 @@ def _check_steps(max_new_tokens: object, start: int, max_positions: int) -> int:
 
 
 def greedy_encoder_decoder(
-    model: Transformer, src: Tensor, max_new_tokens: int, src_padding_mask: Tensor | None
+    model: EncoderDecoderModel, src: Tensor, max_new_tokens: int, src_padding_mask: Tensor | None
 ) -> Tensor:
     """Greedy decoding; see :meth:`Transformer.generate`."""
     c = model.config
@@ -77,7 +163,7 @@ def greedy_encoder_decoder(
 
 
 def beam_search(
-    model: Transformer,
+    model: EncoderDecoderModel,
     src: Tensor,
     max_new_tokens: int,
     src_padding_mask: Tensor | None,
@@ -114,7 +200,7 @@ def beam_search(
 
 
 def beam_decoder_only(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     max_new_tokens: int,
     *,
@@ -122,18 +208,28 @@ def beam_decoder_only(
     beam_size: int,
     length_penalty: float,
     eos_id: int | Sequence[int] | None,
+    **others: object,
 ) -> Tensor:
     """Beam search continuing left-padded prompts; see :meth:`DecoderOnlyLM.generate`.
+
+    Args:
+        model: the language model.
+        ids, max_new_tokens, beam_size, length_penalty: as :meth:`DecoderOnlyLM.generate`.
+        padding_mask, eos_id: as :class:`GenerateOptions`.
+        others: the other options (:class:`GenerateOptions`, ``streamer``): refused unless
+            they hold their defaults.
 
     Returns:
         long ``[B, T0 + l]``: the prompts, then each one's best continuation (its stop id
         kept), right-padded with ``pad_id`` (else the first stop id, else 0).
 
     Raises:
-        TypeError / ValueError: the beam options, the prompt and its padding, the stop ids.
+        TypeError / ValueError: the beam options, the prompt and its padding, the stop ids;
+            ValueError: another option given.
     """
     c = model.config
     K, lp = check_beam_options(beam_size, length_penalty)
+    _refuse_for_beams(K, others)
     check_ids("ids", ids, c.vocab_size, field="vocab_size")
     n = _check_steps(max_new_tokens, ids.shape[1], c.max_positions)
     stop = check_stop_ids(eos_id, c.vocab_size)
@@ -162,6 +258,18 @@ def beam_decoder_only(
         stop_ids=stop,
         pad_id=fill,
     )
+
+
+def _refuse_for_beams(beam_size: int, others: Mapping[str, object]) -> None:
+    """Beam search takes no option but ``padding_mask``, ``eos_id`` and ``length_penalty``:
+    a ValueError names each of ``others`` set to other than its default (None for
+    ``streamer``)."""
+    given = [name for name, value in others.items() if value != DEFAULTS.get(name)]
+    if given:
+        raise ValueError(
+            f"beam_size={beam_size} takes padding_mask, eos_id and length_penalty only; got "
+            f"{', '.join(given)}"
+        )
 
 
 def prompt_padding(ids: Tensor, padding_mask: Tensor | None, pad_id: int | None) -> Tensor | None:
@@ -213,7 +321,7 @@ def prompt_padding(ids: Tensor, padding_mask: Tensor | None, pad_id: int | None)
 
 
 def stream_decoder_only(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     max_new_tokens: int,
     *,
@@ -258,7 +366,7 @@ def stream_decoder_only(
 
 
 def _decoder_only_steps(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     n: int,
     is_pad: Tensor | None,
@@ -299,7 +407,7 @@ def _decoder_only_steps(
 
 
 def generate_decoder_only(
-    model: DecoderOnlyLM,
+    model: DecoderOnlyModel,
     ids: Tensor,
     max_new_tokens: int,
     *,

@@ -8,13 +8,12 @@ Shapes: B batch, L sequence length.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
 import qkv.masks as masks
-from qkv.checks import checks_values
+from qkv._checks import checks_values
+from qkv._deprecation import renamed_keyword
 from qkv.nn.kv_cache import KVCache
 
 __all__ = [
@@ -44,7 +43,7 @@ def check_ids(
         field: what ``vocab`` is called (a config field such as ``"type_vocab_size"``).
         shape: the exact shape wanted (default: any non-empty ``[B, L]``).
         validate: check the id values too (a host sync); skipped anyway while tracing or
-            compiling (see :func:`qkv.checks.checks_values`). Dtype and shape are always checked.
+            compiling (see :func:`qkv._checks.checks_values`). Dtype and shape are always checked.
 
     Returns:
         ``ids``.
@@ -84,7 +83,7 @@ def key_padding(
         is_pad: bool ``[B, L]``, True = padding, or None.
         ids: the ``[B, L]`` tokens it describes.
         name: the argument's name, for the message.
-        validate: see :func:`qkv.checks.checks_values`.
+        validate: see :func:`qkv._checks.checks_values`.
 
     Returns:
         ``is_pad``, or None.
@@ -121,7 +120,7 @@ def padding_from_ids(
         padding_mask: bool ``[B, L]``, True = padding, or None.
         pad_id: the padding token, or None (then no padding unless a mask is given).
         name: the mask argument's name, for the message.
-        validate: see :func:`qkv.checks.checks_values`.
+        validate: see :func:`qkv._checks.checks_values`.
 
     Returns:
         bool ``[B, L]``, or None when nothing is padding.
@@ -157,7 +156,7 @@ def self_attention_padding(
         name: the mask argument's name, for the message.
         kv_cache: the decoding cache: its padding is extended by this call's, and the positions
             continue from its ``length``; None: positions start at 0.
-        validate: see :func:`qkv.checks.checks_values`.
+        validate: see :func:`qkv._checks.checks_values`.
 
     Returns:
         ``(mask, offset, positions)``: bool ``[B, 1, 1, S]`` (True = blocked, ``S`` = cached +
@@ -187,13 +186,6 @@ def resolve_kv_cache(kv_cache: KVCache | None, cache: KVCache | None) -> KVCache
     """``kv_cache``, or the deprecated ``cache=`` keyword (one release) with a warning.
 
     Raises:
-        ValueError: both given.
+        TypeError: both given.
     """
-    if cache is None:
-        return kv_cache
-    warnings.warn(
-        "the cache= keyword is deprecated; pass kv_cache= instead", DeprecationWarning, stacklevel=3
-    )
-    if kv_cache is not None:
-        raise ValueError("pass kv_cache= only, not both kv_cache= and the deprecated cache=")
-    return cache
+    return renamed_keyword("cache", cache, "kv_cache", kv_cache, stacklevel=3)

@@ -8,7 +8,8 @@ same batch size and capacity. The capacity is rounded up to a multiple of :data:
 so that prompts of nearby lengths share one compiled step. On CUDA the step is compiled with
 ``mode="reduce-overhead"`` (CUDA graphs); elsewhere with the default mode.
 
-This module imports no model module at run time (the models import it).
+This module imports no model module (the models import it): a model is a
+:class:`~qkv.models.protocols.DecoderOnlyModel`.
 
 Shapes: B batch, T0 prompt length, C capacity, V vocabulary.
 """
@@ -16,24 +17,22 @@ Shapes: B batch, T0 prompt length, C capacity, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from qkv.models.decoder_only import DecoderOnlyLM
-    from qkv.nn.static_kv_cache import StaticKVCache
+from qkv.models.protocols import DecoderOnlyModel
+from qkv.nn.static_kv_cache import StaticKVCache
 
 __all__ = ["CAPACITY_STEP", "StaticDecoder", "static_capacity"]
 
 CAPACITY_STEP = 64
 """Cache slots are allocated in multiples of this, so nearby prompt lengths share a graph."""
 
-Step = Callable[["DecoderOnlyLM", Tensor, "StaticKVCache", Tensor], Tensor]
+Step = Callable[[DecoderOnlyModel, Tensor, StaticKVCache, Tensor], Tensor]
 
 
-def _step(model: DecoderOnlyLM, ids: Tensor, cache: StaticKVCache, position: Tensor) -> Tensor:
+def _step(model: DecoderOnlyModel, ids: Tensor, cache: StaticKVCache, position: Tensor) -> Tensor:
     """One decoding step: ``[B, 1]`` tokens at slot ``position`` -> ``[B, V]`` logits."""
     return model.forward_static(ids, cache, position)[:, -1]  # [B, V]
 
@@ -68,7 +67,7 @@ class StaticDecoder:
     """
 
     def __init__(
-        self, model: DecoderOnlyLM, batch_size: int, capacity: int, *, compile: bool
+        self, model: DecoderOnlyModel, batch_size: int, capacity: int, *, compile: bool
     ) -> None:
         self.model = model
         self.cache = model.new_static_cache(batch_size, capacity)

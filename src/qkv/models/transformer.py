@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from qkv.backends.shared import share_plans
 from qkv.dropout import Dropout
 from qkv.masks import padding_mask
 from qkv.models.config import TransformerConfig
@@ -116,7 +117,7 @@ class Transformer(nn.Module):
             src: source ids ``[B, S]``.
             src_padding_mask: bool ``[B, S]``, True = padding, or None.
             validate: check the id values (a host sync per call); False, or tracing /
-                compiling, skips it (see :func:`qkv.checks.checks_values`).
+                compiling, skips it (see :func:`qkv._checks.checks_values`).
 
         Returns:
             bool ``[B, S]``, or None when nothing is padding.
@@ -145,7 +146,8 @@ class Transformer(nn.Module):
             TypeError / ValueError: bad ids or mask.
         """
         is_pad = self.source_padding(src, src_padding_mask, validate=validate)
-        return self.encode_padded(src, is_pad)
+        with share_plans(validate=validate):  # the layers share one attention plan
+            return self.encode_padded(src, is_pad)
 
     def encode_padded(self, src: Tensor, is_pad: Tensor | None) -> Tensor:
         """Run the encoder on ids whose padding :meth:`source_padding` already gave.
@@ -199,46 +201,66 @@ class Transformer(nn.Module):
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
         check_ids("tgt", tgt, c.tgt_vocab_size, field="tgt_vocab_size", validate=validate)
-        if memory.dim() != 3 or memory.shape[0] != tgt.shape[0] or memory.shape[2] != c.d_model:
-            raise ValueError(
-                f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {c.d_model}], "
-                f"got {tuple(memory.shape)}"
-            )
-        if tgt_padding_mask is None and c.bos_id == c.pad_id and not _continues(cache):
-            # the start token is the pad token (Marian, T5): it is never padding
-            tgt_padding_mask = tgt == c.pad_id  # [B, T]
-            tgt_padding_mask[:, 0] = False
+        memory_mask = self._memory_mask(tgt, memory, src_padding_mask, validate)  # [B,1,1,S]
+        tgt_pad = self._target_padding(tgt, tgt_padding_mask, cache)  # [B, T] or None
         self_mask, offset, positions = self_attention_padding(
-            tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", cache, validate
+            tgt, tgt_pad, c.pad_id, "tgt_padding_mask", cache, validate
         )  # [B, 1, 1, S_cached + T] or None
-        src_pad = None
-        if src_padding_mask is not None:
-            if src_padding_mask.shape != memory.shape[:2]:
-                raise ValueError(
-                    f"src_padding_mask must be [B, S] = {list(memory.shape[:2])}, "
-                    f"got {tuple(src_padding_mask.shape)}"
-                )
-            src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask", validate)
-        memory_mask = None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
         x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
         positional = self.positional if self.tgt_positional is None else self.tgt_positional
         x, pos = position_inputs(positional, x, offset, causal=True, positions=positions)
         if self.tgt_embed_norm is not None:
             x = self.tgt_embed_norm(x)  # [B, T, D]
         x = self.embed_dropout(x)  # [B, T, D]
-        h = self.decoder(
-            x,
-            memory,
-            self_mask,
-            memory_mask,
-            tgt_is_causal=True,
-            self_attn_bias=pos.attn_bias,
-            rope=pos.rope,
-            kv_cache=cache,
-        )  # [B, T, D]
+        with share_plans(validate=validate):  # the layers share one plan per attention
+            h = self.decoder(
+                x,
+                memory,
+                self_mask,
+                memory_mask,
+                tgt_is_causal=True,
+                self_attn_bias=pos.attn_bias,
+                rope=pos.rope,
+                kv_cache=cache,
+            )  # [B, T, D]
         if c.output_scale != 1.0:
             h = h * c.output_scale  # [B, T, D]
         return self.lm_head(h)  # [B, T, V]
+
+    def _memory_mask(
+        self, tgt: Tensor, memory: Tensor, src_padding_mask: Tensor | None, validate: bool
+    ) -> Tensor | None:
+        """The cross-attention mask ``[B, 1, 1, S]`` of :meth:`decode`'s source padding (None:
+        no padding), ``memory`` checked against ``tgt``. Raises as :meth:`decode`."""
+        if (
+            memory.dim() != 3
+            or memory.shape[0] != tgt.shape[0]
+            or memory.shape[2] != (self.config.d_model)
+        ):
+            raise ValueError(
+                f"memory must be [B, S, D] = [{tgt.shape[0]}, S, {self.config.d_model}], "
+                f"got {tuple(memory.shape)}"
+            )
+        if src_padding_mask is None:
+            return None
+        if src_padding_mask.shape != memory.shape[:2]:
+            raise ValueError(
+                f"src_padding_mask must be [B, S] = {list(memory.shape[:2])}, "
+                f"got {tuple(src_padding_mask.shape)}"
+            )
+        src_pad = key_padding(src_padding_mask, src_padding_mask, "src_padding_mask", validate)
+        return None if src_pad is None else padding_mask(src_pad)  # [B, 1, 1, S]
+
+    def _target_padding(
+        self, tgt: Tensor, tgt_padding_mask: Tensor | None, cache: KVCache | None
+    ) -> Tensor | None:
+        """The caller's target padding; when the start token is the pad token (Marian, T5) and
+        none is given, ``tgt == pad_id`` except the start token, which is never padding."""
+        c = self.config
+        if tgt_padding_mask is None and c.bos_id == c.pad_id and not _continues(cache):
+            tgt_padding_mask = tgt == c.pad_id  # [B, T]
+            tgt_padding_mask[:, 0] = False
+        return tgt_padding_mask
 
     def forward(
         self,
@@ -262,7 +284,8 @@ class Transformer(nn.Module):
             logits ``[B, T, V]``.
         """
         is_pad = self.source_padding(src, src_padding_mask, validate=validate)
-        memory = self.encode_padded(src, is_pad)  # [B, S, D]
+        with share_plans(validate=validate):  # the encoder's layers share one attention plan
+            memory = self.encode_padded(src, is_pad)  # [B, S, D]
         return self.decode(tgt, memory, is_pad, tgt_padding_mask, validate=validate)
 
     @torch.no_grad()

@@ -14,12 +14,11 @@ Shapes: B batch, Hkv key/value heads, T new tokens, S cached + new tokens, Dh he
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
+from qkv._deprecation import RenamedAttribute, renamed_keyword
 
 __all__ = ["KVCache"]
 
@@ -34,21 +33,14 @@ class KVCache:
 
     Raises:
         TypeError: sizes that are not ints.
-        ValueError: non-positive sizes, or both ``capacity`` and ``max_len``.
+        ValueError: non-positive sizes.
+        TypeError: both ``capacity`` and ``max_len``.
     """
 
     def __init__(
         self, num_layers: int, capacity: int | None = None, *, max_len: int | None = None
     ) -> None:
-        if max_len is not None:
-            warnings.warn(
-                "KVCache(max_len=) is deprecated; use KVCache(num_layers, capacity)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if capacity is not None:
-                raise ValueError(f"pass capacity only, got {capacity=} and {max_len=}")
-            capacity = max_len
+        capacity = renamed_keyword("max_len", max_len, "capacity", capacity, owner="KVCache")
         if capacity is None:
             raise TypeError("KVCache needs a capacity")
         self.num_layers = check_positive_int("num_layers", num_layers)
@@ -60,13 +52,7 @@ class KVCache:
         self._padding: Tensor | None = None  # [B, S] True = padding key, or None
         self._padding_len = 0
 
-    @property
-    def max_len(self) -> int:
-        """Deprecated alias of :attr:`capacity` (one release)."""
-        warnings.warn(
-            "KVCache.max_len is deprecated; use KVCache.capacity", DeprecationWarning, stacklevel=2
-        )
-        return self.capacity
+    max_len = RenamedAttribute[int]("capacity")
 
     @property
     def length(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkv.checks import check_bool
+from qkv._checks import check_bool
 from qkv.masks import Dense, StructuredMask, combine
 from qkv.masks.convert import reshape_mha_attn_mask
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from qkv.checks import check_bool, check_positive_int
+from qkv._checks import check_bool, check_positive_int
 from qkv.functional import Backend, attention
 from qkv.masks import StructuredMask
 from qkv.nn.mha_call import (

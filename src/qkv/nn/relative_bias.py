@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 
 __all__ = ["RelativePositionBias", "relative_position_bucket"]
 

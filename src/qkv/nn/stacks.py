@@ -135,6 +135,27 @@ class EncoderDecoder(nn.Module):
             return layer.self_attn.batch_first
         return True
 
+    def _check_pair(self, src: object, tgt: object) -> None:
+        """``src`` and ``tgt`` are tensors of one rank, batch size and width (see
+        :meth:`forward`'s Raises)."""
+        if not isinstance(src, Tensor) or not isinstance(tgt, Tensor):
+            raise TypeError(
+                f"src and tgt must be tensors, got {type(src).__name__} and {type(tgt).__name__}"
+            )
+        batch_dim = 0 if self.batch_first else 1
+        if src.dim() != tgt.dim() or (
+            src.dim() == 3 and src.shape[batch_dim] != tgt.shape[batch_dim]
+        ):
+            layout = "[B, L, D]" if self.batch_first else "[L, B, D]"
+            raise ValueError(
+                f"src and tgt must share the batch size in the layout {layout} "
+                f"(batch_first={self.batch_first}), got {tuple(src.shape)} and {tuple(tgt.shape)}"
+            )
+        if src.shape[-1] != tgt.shape[-1]:
+            raise ValueError(
+                f"src and tgt must share the width D, got {tuple(src.shape)} and {tuple(tgt.shape)}"
+            )
+
     @staticmethod
     def generate_square_subsequent_mask(
         sz: int, device: torch.device | None = None, dtype: torch.dtype | None = None
@@ -184,23 +205,7 @@ class EncoderDecoder(nn.Module):
             ValueError: ``src`` and ``tgt`` of different batch sizes or widths, or of different
                 ranks.
         """
-        if not isinstance(src, Tensor) or not isinstance(tgt, Tensor):
-            raise TypeError(
-                f"src and tgt must be tensors, got {type(src).__name__} and {type(tgt).__name__}"
-            )
-        batch_dim = 0 if self.batch_first else 1
-        if src.dim() != tgt.dim() or (
-            src.dim() == 3 and src.shape[batch_dim] != tgt.shape[batch_dim]
-        ):
-            layout = "[B, L, D]" if self.batch_first else "[L, B, D]"
-            raise ValueError(
-                f"src and tgt must share the batch size in the layout {layout} "
-                f"(batch_first={self.batch_first}), got {tuple(src.shape)} and {tuple(tgt.shape)}"
-            )
-        if src.shape[-1] != tgt.shape[-1]:
-            raise ValueError(
-                f"src and tgt must share the width D, got {tuple(src.shape)} and {tuple(tgt.shape)}"
-            )
+        self._check_pair(src, tgt)
         memory = self.encoder(src, src_mask, src_key_padding_mask, src_is_causal)  # [B, S, D]
         return self.decoder(
             tgt,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 
 __all__ = ["StaticKVCache"]
 

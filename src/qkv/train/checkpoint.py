@@ -36,7 +36,7 @@ The parts, one file each (this module re-exports their public names):
 from __future__ import annotations
 
 from qkv.train.checkpoint_dir import LOCK_NAME, CheckpointError, directory_lock, prepare_directory
-from qkv.train.checkpoint_load import Checkpoint, build_model, check_weights_match, load_checkpoint
+from qkv.train.checkpoint_load import Checkpoint, build_model, load_checkpoint
 from qkv.train.checkpoint_manifest import FORMAT
 from qkv.train.checkpoint_manifest import MANIFEST as MANIFEST
 from qkv.train.checkpoint_manifest import VERSION as VERSION
@@ -49,7 +49,6 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "build_model",
-    "check_weights_match",
     "directory_lock",
     "load_checkpoint",
     "prepare_directory",

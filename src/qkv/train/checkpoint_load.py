@@ -20,7 +20,7 @@ from qkv.models.registry import check_weights, model_from_config, upgrade_weight
 from qkv.train.checkpoint_dir import CheckpointError
 from qkv.train.checkpoint_manifest import MANIFEST, parse_manifest, sha256
 
-__all__ = ["Checkpoint", "build_model", "check_weights_match", "load_checkpoint"]
+__all__ = ["Checkpoint", "build_model", "load_checkpoint"]
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 
@@ -165,19 +165,3 @@ def build_model(ckpt: Checkpoint) -> nn.Module:
         raise CheckpointError(f"{where}: {err}") from None
     model.load_state_dict(upgrade_weights(model, ckpt.weights), strict=True)
     return model
-
-
-def check_weights_match(model: nn.Module, weights: dict[str, Tensor], where: str) -> None:
-    """Load-time check that ``weights`` fit ``model`` exactly, before copying anything.
-
-    The check itself is :func:`qkv.models.registry.check_weights`; here its error becomes a
-    :class:`CheckpointError`.
-
-    Raises:
-        CheckpointError: names every missing, unexpected or differently shaped/typed key, with
-            both shapes.
-    """
-    try:
-        check_weights(model, weights, where)
-    except ValueError as err:
-        raise CheckpointError(str(err)) from None

@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from qkv.checks import check_nonnegative_int, check_positive_int, check_probability
+from qkv._checks import check_nonnegative_int, check_positive_int, check_probability
 
 __all__ = [
     "POSITIONALS",

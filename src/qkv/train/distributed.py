@@ -28,7 +28,6 @@ __all__ = [
     "barrier",
     "init_from_env",
     "shutdown",
-    "unwrap",
     "wrap_model",
 ]
 
@@ -99,8 +98,3 @@ def shutdown(ctx: DistContext) -> None:
     """Leave the process group (no-op when not distributed)."""
     if ctx.enabled and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (or ``model``)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model

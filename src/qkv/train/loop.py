@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from qkv.checks import check_bool, check_nonnegative_int, check_positive_int, check_probability
+from qkv._checks import check_bool, check_nonnegative_int, check_positive_int, check_probability
 from qkv.models.registry import load_weights, model_from_config
 from qkv.train.checkpoint import (
     CheckpointError,

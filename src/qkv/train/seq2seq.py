@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.models.config import TransformerConfig
 from qkv.train.config import TrainConfig
 from qkv.train.task import (

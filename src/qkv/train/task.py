@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.train.config import TrainConfig
 
 __all__ = [

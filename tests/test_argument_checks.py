@@ -1,10 +1,10 @@
-"""qkv.checks: each check accepts its values unchanged and names the argument when it refuses."""
+"""qkv._checks: each check accepts its values unchanged and names the argument when it refuses."""
 
 from __future__ import annotations
 
 import pytest
 
-from qkv.checks import check_bool, check_nonnegative_int, check_positive_int, check_probability
+from qkv._checks import check_bool, check_nonnegative_int, check_positive_int, check_probability
 
 
 def test_positive_int() -> None:
