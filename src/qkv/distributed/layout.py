@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from qkv.checks import check_nonnegative_int, check_positive_int
+from qkv._checks import check_nonnegative_int, check_positive_int
 
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag")

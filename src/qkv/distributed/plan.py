@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from qkv.backends.tiles import TilePlan, plan_tiles, resolve_blocks
-from qkv.checks import check_positive_int
+from qkv._checks import check_positive_int
 from qkv.distributed.layout import Layout, Segment, check_layout, segments
 from qkv.masks import EMPTY, FULL, StructuredMask, Tile, TileMask
 
