@@ -1,11 +1,24 @@
-"""Shared test settings: deterministic seeds, CPU threads sized for a 2-core machine, and the
+"""Shared test settings: deterministic seeds, CPU threads sized to the machine's cores, and the
 hypothesis profiles."""
+
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import settings
 
-torch.set_num_threads(2)
+
+def _threads() -> int:
+    """Torch threads for this test process: the cores shared out among pytest-xdist's workers
+    (``make test`` runs ``-n auto``, one worker a core: 1 thread each), at most 2 (what a serial
+    run has always used; more only adds OpenMP spinning on a busy machine)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+THREADS = _threads()
+torch.set_num_threads(THREADS)
 
 # Hypothesis profiles. Property tests take their example count from the profile, not from
 # their own @settings, so one switch sizes them all:
@@ -22,3 +35,11 @@ settings.load_profile("ci")  # pytest's --hypothesis-profile NAME loads NAME aft
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    """A test that calls ``qkv train`` / ``generate`` in process (``--threads``) cannot leave
+    its thread count to the tests that follow it in the same worker."""
+    yield
+    torch.set_num_threads(THREADS)
