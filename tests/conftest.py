@@ -43,3 +43,10 @@ def _threads_restored() -> Iterator[None]:
     its thread count to the tests that follow it in the same worker."""
     yield
     torch.set_num_threads(THREADS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """README blocks first: each starts interpreters and takes seconds (one takes ~30 s), so run
+    early they overlap the many short tests on the other pytest-xdist workers instead of leaving
+    one worker busy alone at the end. The order is otherwise kept."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_readme.py::test_readme_"))
