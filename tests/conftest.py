@@ -14,7 +14,11 @@ def _threads() -> int:
     (``make test`` runs ``-n auto``, one worker a core: 1 thread each), at most 2 (what a serial
     run has always used; more only adds OpenMP spinning on a busy machine)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, min(2, (os.cpu_count() or 1) // workers))
+    if hasattr(os, "sched_getaffinity"):  # the cores this process may use, as -n auto counts
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores // workers))
 
 
 THREADS = _threads()
