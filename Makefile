@@ -37,8 +37,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# One pytest-xdist worker a core (tests/conftest.py gives each worker its share of torch
+# threads); worksteal evens out the few tests that take seconds. Plain `pytest` runs serially,
+# which is quicker for a file or two than starting the workers.
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

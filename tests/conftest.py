@@ -1,16 +1,33 @@
-"""Shared test settings: deterministic seeds, CPU threads sized for a 2-core machine, the
+"""Shared test settings: deterministic seeds, CPU threads sized to the machine's cores, the
 hypothesis profiles, and tests/ on ``sys.path`` for the shared helper modules
 (``reference_f64``)."""
 
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 
-torch.set_num_threads(2)
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _threads() -> int:
+    """Torch threads for this test process: the cores shared out among pytest-xdist's workers
+    (``make test`` runs ``-n auto``, one worker a core: 1 thread each), at most 2 (what a serial
+    run has always used; more only adds OpenMP spinning on a busy machine)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if hasattr(os, "sched_getaffinity"):  # the cores this process may use, as -n auto counts
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores // workers))
+
+
+THREADS = _threads()
+torch.set_num_threads(THREADS)
 
 # Hypothesis profiles. Property tests take their example count from the profile, not from
 # their own @settings, so one switch sizes them all:
@@ -27,3 +44,18 @@ settings.load_profile("ci")  # pytest's --hypothesis-profile NAME loads NAME aft
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    """A test that calls ``qkv train`` / ``generate`` in process (``--threads``) cannot leave
+    its thread count to the tests that follow it in the same worker."""
+    yield
+    torch.set_num_threads(THREADS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """README blocks first: each starts interpreters and takes seconds (one takes ~30 s), so run
+    early they overlap the many short tests on the other pytest-xdist workers instead of leaving
+    one worker busy alone at the end. The order is otherwise kept."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_readme.py::test_readme_"))

@@ -1,9 +1,10 @@
 """Every README code block meant to run is run, so the README cannot drift from the code.
 
-``python`` blocks run in a fresh interpreter and ``bash`` blocks in ``bash -e``, each in its own
-temp directory, in README order (a bash block may use what an earlier bash block wrote there: the
-blocks of one section share a directory). ``console`` blocks are output, not commands; their first
-``$`` line is run and must succeed.
+``python`` blocks run in a fresh interpreter and ``bash`` blocks in ``bash -e``, each in a temp
+directory of its own that holds a copy of README.md and nothing else, so that a block stands
+alone, as a reader may copy it alone, and the blocks may run in any order on any pytest-xdist
+worker. ``console`` blocks are output, not commands; their first ``$`` line is run and must
+succeed.
 
 A ``python`` block may show what it prints: each comment line ``# -> TEXT`` is one printed line,
 in order (other lines may come between), ``...`` standing for any text; the test compares them
@@ -80,11 +81,10 @@ def test_quick_substitutions_apply() -> None:
         _quick(body, "(--nothing -> --steps 1)", 1)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("readme")
-    (directory / "README.md").write_text(README.read_text(encoding="utf-8"))
-    return directory
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "README.md").write_text(README.read_text(encoding="utf-8"))
+    return tmp_path
 
 
 @pytest.mark.parametrize(("line", "lang", "body", "why"), BLOCKS, ids=[f"L{b[0]}" for b in BLOCKS])

@@ -46,21 +46,19 @@ def _start_training(out: Path) -> subprocess.Popen[str]:
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_saves_a_resumable_checkpoint(
-    tmp_path: Path, signum: signal.Signals, code: int
+    tmp_path: Path, signum: signal.Signals, code: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A real signal to a real ``qkv train`` process. The second writer and the printed resume
+    command run in this test's own process (a process other than the trainer all the same), so
+    the test starts one interpreter, not three."""
     out = tmp_path / "run"
     proc = _start_training(out)
     try:
-        second = subprocess.run(
-            [*QKV, "train", *TINY, "--steps", "10", "--out", str(out), "--overwrite"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=ENV,
-        )
-        assert second.returncode == 2, second.stderr
-        assert f"in use by another qkv process (pid {proc.pid}" in second.stderr
-        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+        refused = main(["train", *TINY, "--steps", "10", "--out", str(out), "--overwrite"])
+        second = capsys.readouterr().err
+        assert refused == 2, second
+        assert f"in use by another qkv process (pid {proc.pid}" in second
+        assert second.count("\n") == 1 and "Traceback" not in second
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -73,14 +71,8 @@ def test_a_signal_saves_a_resumable_checkpoint(
     command = err.split("continue with: ")[1].strip()
     args = shlex.split(command)
     assert args[:2] == ["qkv", "train"] and args[-1] == "--resume"
-    resumed = subprocess.run(
-        [*QKV, *args[1:], "--stop-after", str(step + 2)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = main([*args[1:], "--stop-after", str(step + 2)])
+    assert resumed == 0, capsys.readouterr().err
     assert load_checkpoint(out).step == step + 2
 
 
