@@ -13,7 +13,7 @@ a rank's queries see are sent. The same code runs on gloo (CPU) and NCCL (GPU).
 """
 
 from qkv.distributed.attention import context_parallel_attention, global_length
-from qkv.distributed.context import ContextParallel, active_scope, context_parallel
+from qkv.distributed.context import ContextParallel, GlobalMask, active_scope, context_parallel
 from qkv.distributed.layout import (
     LAYOUTS,
     Layout,
@@ -29,6 +29,7 @@ __all__ = [
     "LAYOUTS",
     "ContextParallel",
     "ContextPlan",
+    "GlobalMask",
     "Layout",
     "active_scope",
     "context_parallel",

@@ -16,15 +16,16 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from qkv.distributed.attention import context_parallel_attention, global_length
 from qkv.distributed.layout import Layout, check_layout, group_rank
 from qkv.distributed.plan import ContextPlan, plan_context
-from qkv.masks import Causal, StructuredMask
+from qkv.masks import FULL, Causal, StructuredMask, Tile, TileMask
 
-__all__ = ["ContextParallel", "Scope", "active_scope", "context_parallel"]
+__all__ = ["ContextParallel", "GlobalMask", "Scope", "active_scope", "context_parallel"]
 
 
 @dataclass(frozen=True)
@@ -53,65 +54,94 @@ class ContextParallel:
         return group_rank(self.group)[1]
 
 
+class GlobalMask(StructuredMask):
+    """A rule in global coordinates, with the lengths of the global grid it is read on.
+
+    What a model passes its layers under context parallelism: each layer sees only its shards,
+    so the mask says how long the whole sequences are (no collective needed to learn them), and
+    one ``GlobalMask`` object shared by every layer is planned once.
+
+    Args:
+        rule: the rule (None: nothing blocked).
+        length: global query length ``T``.
+        kv_length: global key length ``S`` (default ``length``).
+    """
+
+    def __init__(
+        self, rule: StructuredMask | None, length: int, kv_length: int | None = None
+    ) -> None:
+        self.rule = rule
+        self.length = length
+        self.kv_length = length if kv_length is None else kv_length
+
+    def __repr__(self) -> str:
+        return f"GlobalMask({self.rule!r}, T={self.length}, S={self.kv_length})"
+
+    def validate(self, B: int, H: int, T: int, S: int, device: torch.device) -> None:
+        if self.rule is not None:
+            self.rule.validate(B, H, T, S, device)
+
+    def tile(self, tile: Tile) -> TileMask:
+        return FULL if self.rule is None else self.rule.tile(tile)
+
+
 @dataclass
 class Scope:
-    """One forward's context-parallel state: the setting and the plans made so far.
+    """One forward's context-parallel state: the setting, the masks, the plans made so far.
 
     Attributes:
         setting: the group and layout.
-        lengths: global lengths per local length, learned once (one all-reduce).
-        plans: one plan per mask rule and shapes (the rule is kept so its id stays unique).
+        self_mask: the self-attention's mask in global coordinates.
+        cross_mask: the cross-attention's (an encoder–decoder's decoder), or None.
+        plans: one plan per mask and shapes, made on first use.
     """
 
     setting: ContextParallel
-    lengths: dict[int, int] = field(default_factory=dict)
-    plans: dict[tuple[object, ...], tuple[StructuredMask | None, ContextPlan]] = field(
-        default_factory=dict
-    )
-
-    def _global(self, *local: int) -> list[int]:
-        missing = [n for n in local if n not in self.lengths]
-        if missing:
-            found = global_length(*missing, group=self.setting.group)
-            self.lengths.update(zip(missing, found, strict=True))
-        return [self.lengths[n] for n in local]
+    self_mask: GlobalMask | None = None
+    cross_mask: GlobalMask | None = None
+    plans: dict[tuple[object, ...], ContextPlan] = field(default_factory=dict)
 
     def attention(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: StructuredMask | None,
-        is_causal: bool,
-        scale: float | None,
+        self, q: Tensor, k: Tensor, v: Tensor, *, cross: bool, is_causal: bool, scale: float | None
     ) -> Tensor:
-        """One layer's call on its shards, planned once per rule and shapes.
+        """One layer's call on its shards, planned once per mask and shapes.
+
+        Args:
+            q: this rank's queries ``[B, H, T_local, Dh]``.
+            k: its keys ``[B, Hkv, S_local, Dh]``.
+            v: its values ``[B, Hkv, S_local, Dv]``.
+            cross: a cross-attention call (it runs ``cross_mask``, else ``self_mask``).
+            is_causal: add a (global, bottom-right) causal rule.
+            scale: the score scale, or None for ``1 / sqrt(Dh)``.
+
+        Returns:
+            This rank's output ``[B, H, T_local, Dv]``.
 
         Raises:
-            TypeError: a mask given as a tensor (its coordinates would be local: give the model
-                global rules, which its forward does under context parallelism).
+            ValueError: a cross-attention call in a scope without a cross mask.
         """
-        if mask is not None and not isinstance(mask, StructuredMask):
-            raise TypeError(
-                "under context parallelism a layer's mask must be a qkv rule in global "
-                f"coordinates, got a {type(mask).__name__}; a model's forward builds such rules "
-                "when given context_parallel="
+        mask = self.cross_mask if cross else self.self_mask
+        if cross and mask is None:
+            raise ValueError(
+                "a cross-attention layer ran under context parallelism without a cross mask: "
+                "the model's forward gives one (Transformer.forward(..., context_parallel=))"
             )
         B, H, T, _ = q.shape
         Hkv, S = k.shape[1], k.shape[2]
+        if mask is None:  # no mask given: learn the global lengths (one all-reduce a call)
+            mask = GlobalMask(None, *global_length(T, S, group=self.setting.group))
         key = (id(mask), is_causal, B, H, Hkv, T, S)
         if key not in self.plans:
-            n, m = self._global(T, S)
-            rule = mask
+            rule = mask.rule
             if is_causal:
-                rule = Causal() if mask is None else mask | Causal()
+                rule = Causal() if rule is None else rule | Causal()
             s = self.setting
-            plan = plan_context(
-                rule, batch=B, heads=H, kv_heads=Hkv, length=n, kv_length=m, world=s.world,
-                rank=s.rank, layout=s.layout, device=q.device,
+            self.plans[key] = plan_context(
+                rule, batch=B, heads=H, kv_heads=Hkv, length=mask.length,
+                kv_length=mask.kv_length, world=s.world, rank=s.rank, layout=s.layout,
+                device=q.device,
             )  # fmt: skip
-            self.plans[key] = (mask, plan)
-        plan = self.plans[key][1]
+        plan = self.plans[key]
         return context_parallel_attention(
             q, k, v, plan.mask, scale=scale, group=self.setting.group, plan=plan
         )  # [B, H, T, Dv]
@@ -126,16 +156,23 @@ def active_scope() -> Scope | None:
 
 
 @contextlib.contextmanager
-def context_parallel(setting: ContextParallel) -> Iterator[Scope]:
+def context_parallel(
+    setting: ContextParallel,
+    self_mask: GlobalMask | None = None,
+    cross_mask: GlobalMask | None = None,
+) -> Iterator[Scope]:
     """Route qkv layers' attention through context parallelism for the block's duration.
 
     Args:
-        setting: the group and layout the sequence is cut in.
+        setting: the group and layout the sequences are cut in.
+        self_mask: the self-attention mask in global coordinates (None: nothing blocked but
+            what a layer's ``is_causal`` adds; the lengths are then learned per call).
+        cross_mask: the cross-attention mask (an encoder–decoder's decoder).
 
     Yields:
         The scope (its plans, for inspection).
     """
-    scope = Scope(setting)
+    scope = Scope(setting, self_mask, cross_mask)
     token = _active.set(scope)
     try:
         yield scope

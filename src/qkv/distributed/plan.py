@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.backends.tiles import TilePlan, plan_tiles, resolve_blocks
 from qkv._checks import check_positive_int
+from qkv.backends.tiles import TilePlan, plan_tiles, resolve_blocks
 from qkv.distributed.layout import Layout, Segment, check_layout, segments
 from qkv.masks import EMPTY, FULL, StructuredMask, Tile, TileMask
 
