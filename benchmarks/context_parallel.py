@@ -3,10 +3,10 @@
 For every rule, the keys and values each rank sends in one forward of one layer (counted in the
 real exchanges, in real processes) against a plain ring that sends every rank's keys and values
 to every other rank; and, for a causal and a sliding-window mask at ``--length`` (default 16k),
-the forward time of ``context_parallel_attention`` on 2 gloo processes of 1 thread each against
-``qkv.attention`` (backend ``auto``) in this process, with as many threads as the 2 processes
-have together. Also each rank's share of the work (query-key pairs its tiles compute): zigzag
-balances a causal mask. B=1, H=8, Dh=64, float32; times are medians of ``--repeats`` runs.
+the time of ``context_parallel_attention`` on 2 gloo processes of 1 thread each against
+``qkv.attention`` (backend ``auto``) in this process with as many threads as the 2 processes
+have together, forward and forward+backward (exact gradients both). Also each rank's share of
+the work (query-key pairs its tiles compute): zigzag balances a causal mask. B=1, H=8, Dh=64, float32; times are medians of ``--repeats`` runs.
 
     python benchmarks/context_parallel.py            # 16k, 3 repeats
     python benchmarks/context_parallel.py --quick    # 2k, 1 repeat (a smoke run)
@@ -15,12 +15,14 @@ balances a causal mask. B=1, H=8, Dh=64, float32; times are medians of ``--repea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,33 +77,63 @@ def worker(n: int, repeats: int) -> None:
             row: dict[str, float] = {"bytes": bytes_sent(), "work": plan.pairs_computed()}
             row["ring_bytes"] = plan.ring_keys_sent() * B * H * DH * 2 * q.element_size()
             if name in timed_rules(n):
-                times = []
-                for _ in range(repeats):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        cp.context_parallel_attention(lq, lk, lv, mask=rule, plan=plan)
-                    dist.barrier()
-                    times.append(time.perf_counter() - t0)
-                row["seconds"] = statistics.median(times)
+                for pass_ in PASSES:
+                    run = _pass(pass_, functools.partial(_sharded, plan=plan))
+                    row[pass_] = _median(run, (lq, lk, lv), repeats, barrier=True)
             out[f"{layout}/{name}"] = row
     print(json.dumps({"rank": rank, "rows": out}), flush=True)
     dist.destroy_process_group()
 
 
-def single(n: int, repeats: int, threads: int) -> dict[str, float]:
-    """``qkv.attention`` on the whole sequence in this process: median seconds per rule."""
+PASSES = ("fwd", "fwd+bwd")
+
+
+def _sharded(t: tuple[torch.Tensor, ...], plan: cp.ContextPlan) -> torch.Tensor:
+    q, k, v = t
+    return cp.context_parallel_attention(q, k, v, plan=plan)
+
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _pass(name: str, attend: Callable[[Inputs], torch.Tensor]) -> Callable[[Inputs], None]:
+    """A forward without autograd, or a forward and backward through every input."""
+
+    def run(t: Inputs) -> None:
+        if name == "fwd":
+            with torch.no_grad():
+                attend(t)
+            return
+        leaves = tuple(x.detach().requires_grad_() for x in t)
+        attend(leaves).sum().backward()  # type: ignore[arg-type]
+
+    return run
+
+
+def _median(run: Callable[[Inputs], None], t: Inputs, repeats: int, barrier: bool) -> float:
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        run(t)
+        if barrier:
+            dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def single(n: int, repeats: int, threads: int) -> dict[str, dict[str, float]]:
+    """``qkv.attention`` on the whole sequence in this process: median seconds per rule and
+    pass."""
     torch.set_num_threads(threads)
     q, k, v = _inputs(n)
-    result = {}
+    result: dict[str, dict[str, float]] = {}
     for name, rule in timed_rules(n).items():
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                qkv.attention(q, k, v, mask=rule)
-            times.append(time.perf_counter() - t0)
-        result[name] = statistics.median(times)
+        result[name] = {}
+        for pass_ in PASSES:
+            run = _pass(pass_, lambda t, r=rule: qkv.attention(*t, mask=r)[0])  # type: ignore[misc]
+            result[name][pass_] = _median(run, (q, k, v), repeats, barrier=False)
     return result
 
 
@@ -155,14 +187,16 @@ def main() -> None:
         print(
             f"| {layout} | {name} | {mb} | {ring_mb} | {ratio} | {max(work) / min(work) - 1:+.1%} |"
         )
-    print(f"\n| layout | rule | 1 process ({world} threads) | {world} processes | speed-up |")
-    print("|---|---|---|---|---|")
+    print(
+        f"\n| layout | rule | pass | 1 process ({world} threads) | {world} processes | speed-up |"
+    )
+    print("|---|---|---|---|---|---|")
     for key in ranks[0]["rows"]:
         layout, name = key.split("/", 1)
-        if name not in one:
-            continue
-        t = max(r["rows"][key]["seconds"] for r in ranks)
-        print(f"| {layout} | {name} | {one[name]:.3f} s | {t:.3f} s | {one[name] / t:.2f}x |")
+        for pass_ in PASSES if name in one else ():
+            t = max(r["rows"][key][pass_] for r in ranks)
+            base = one[name][pass_]
+            print(f"| {layout} | {name} | {pass_} | {base:.3f} s | {t:.3f} s | {base / t:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,6 @@ class _ContextParallel(torch.autograd.Function):
         scale, group = ctx.scale, ctx.group
         cd = out.dtype
         qc, do = q.to(cd), dout.to(cd)
-        delta = (do * out).sum(dim=-1)  # [B, H, T]
         lse_safe = lse.masked_fill(torch.isneginf(lse), float("inf"))  # [B, H, T]
         dq = torch.zeros_like(qc)  # [B, H, T, Dh]
         dk = torch.zeros(k.shape, dtype=cd, device=k.device)  # [B, Hkv, T, Dh]
@@ -121,7 +120,7 @@ class _ContextParallel(torch.autograd.Function):
         r, w = plan.rank, plan.world
         pending = _kv_round(k, v, plan, 1, group) if w > 1 else None
         for pair in plan.pairs[r]:
-            backward_block(qc, k, v, do, lse_safe, delta, pair, scale, dq, dk, dv)
+            backward_block(qc, (k, v), do, out, lse_safe, pair, scale, (dq, dk, dv))
         grads_in_flight: list[tuple[int, Exchange]] = []
         for s in range(1, w):
             assert pending is not None
@@ -134,7 +133,7 @@ class _ContextParallel(torch.autograd.Function):
                 gk = torch.zeros(kr.shape, dtype=cd, device=kr.device)  # [B, Hkv, L, Dh]
                 gv = torch.zeros(vr.shape, dtype=cd, device=vr.device)  # [B, Hkv, L, Dv]
                 for pair in plan.pairs[src]:
-                    backward_block(qc, kr, vr, do, lse_safe, delta, pair, scale, dq, gk, gv)
+                    backward_block(qc, (kr, vr), do, out, lse_safe, pair, scale, (dq, gk, gv))
                 ex.sends += [(src, gk), (src, gv)]
             if plan.needs[dst][r]:
                 n = plan.sent(dst)

@@ -18,6 +18,7 @@ once, when the plan is made.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -25,7 +26,9 @@ from torch import Tensor
 from qkv._checks import check_positive_int
 from qkv.backends.tiles import TilePlan, plan_tiles, resolve_blocks
 from qkv.distributed.layout import Layout, Segment, check_layout, segments
-from qkv.masks import EMPTY, FULL, StructuredMask, Tile, TileMask
+from qkv.masks import EMPTY, FULL, SlidingWindow, StructuredMask, Tile, TileMask
+from qkv.masks.rules import parts_of
+from qkv.masks.tiles import query_offset
 
 __all__ = [
     "ContextPlan",
@@ -174,11 +177,32 @@ class PairPlan:
         cols: columns ``(start, stop)`` of the key range in the keys it runs against (the
             local keys for the rank's own pair, the received buffer otherwise).
         tiles: the blockwise tile plan of the rectangle (skipped tiles left out).
+        kind: ``"full"`` (no key of the rectangle blocked), ``"causal"`` (a square on the
+            diagonal of a causal rule) or ``"tiles"`` (anything else: the tile loop runs it).
+            A CPU forward and backward run the first two as one fused kernel call.
     """
 
     rows: Segment
     cols: Segment
     tiles: TilePlan
+    kind: Literal["full", "causal", "tiles"] = "tiles"
+
+
+def _kind(
+    rule: StructuredMask | None, tp: TilePlan, square: bool, T: int, S: int
+) -> Literal["full", "causal", "tiles"]:
+    """What a rectangle's tile plan reduces to (see :class:`PairPlan`)."""
+    every_tile = tp.computed == tp.total
+    if rule is None or (every_tile and all(tp.masks.get(t) is FULL for r in tp.tiles for t in r)):
+        return "full"
+    causal = [p for p in parts_of(rule) if isinstance(p, SlidingWindow) and p.window is None]
+    if (
+        square
+        and len(causal) == len(parts_of(rule))
+        and all(query_offset(T, S, p.align, p.offset) == 0 for p in causal)
+    ):
+        return "causal"
+    return "tiles"
 
 
 @dataclass(frozen=True)
@@ -348,7 +372,8 @@ def plan_context(
                 rule = None if mask is None else Shifted(mask, length, S, q0g, k0g)
                 tp = plan_tiles(rule, batch, heads, q1g - q0g, k1g - k0g, bq, bk, dev, True)
                 if tp.computed:
-                    per.append(PairPlan((r0, r1), (c0, c1), tp))
+                    kind = _kind(mask, tp, (q0g, q1g) == (k0g, k1g), length, S)
+                    per.append(PairPlan((r0, r1), (c0, c1), tp, kind))
         pairs.append(tuple(per))
     grid = (batch, heads, kv_heads)
     return ContextPlan(

@@ -415,7 +415,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 "context parallelism computes attention without "
                 + ", ".join(refused)
-                + "; turn it off for a sharded forward"
+                + "; turn it off for a sharded forward (attention dropout: a config with "
+                "dropout=0, or model.eval())"
             )
 
     def _attend(
