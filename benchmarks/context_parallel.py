@@ -6,7 +6,8 @@ to every other rank; and, for a causal and a sliding-window mask at ``--length``
 the time of ``context_parallel_attention`` on 2 gloo processes of 1 thread each against
 ``qkv.attention`` (backend ``auto``) in this process with as many threads as the 2 processes
 have together, forward and forward+backward (exact gradients both). Also each rank's share of
-the work (query-key pairs its tiles compute): zigzag balances a causal mask. B=1, H=8, Dh=64, float32; times are medians of ``--repeats`` runs.
+the work (query-key pairs its tiles compute): zigzag balances a causal mask. B=1, H=8, Dh=64,
+float32; times are medians of ``--repeats`` runs.
 
     python benchmarks/context_parallel.py            # 16k, 3 repeats
     python benchmarks/context_parallel.py --quick    # 2k, 1 repeat (a smoke run)
