@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("qkv.masks",),
     ("qkv.backends",),
     ("qkv.functional",),
+    ("qkv.distributed",),
     ("qkv.nn",),
     ("qkv.models",),
     ("qkv.convert",),

@@ -17,10 +17,12 @@ Public API::
     qkv.KVCache                                               # keys/values for decoding
     with qkv.doctor.watch(model) as report: model(...)        # attention bugs in any model
     qkv.doctor.examine(model, input_ids, attention_mask)      # a model's invariances
+    qkv.distributed.context_parallel_attention(q, k, v, mask=...)  # one sequence, many ranks
 
 Subpackages load on first use, so ``import qkv`` stays light: ``qkv.nn`` (building blocks),
-``qkv.models``, ``qkv.convert`` (torch.nn / Hugging Face weights), ``qkv.doctor`` (other
-people's attention), ``qkv.train``, ``qkv.apps`` (the command line), ``qkv.backends``.
+``qkv.models``, ``qkv.convert`` (torch.nn / Hugging Face weights), ``qkv.distributed``
+(context parallelism), ``qkv.doctor`` (other people's attention), ``qkv.train``, ``qkv.apps``
+(the command line), ``qkv.backends``.
 docs/ARCHITECTURE.md shows the layers.
 """
 
@@ -48,7 +50,18 @@ from qkv.nn.multihead import MultiHeadAttention
 __version__ = "0.2.0"
 
 _LAZY_SUBPACKAGES = frozenset(
-    {"apps", "backends", "checks", "convert", "doctor", "integrations", "models", "nn", "train"}
+    {
+        "apps",
+        "backends",
+        "checks",
+        "convert",
+        "distributed",
+        "doctor",
+        "integrations",
+        "models",
+        "nn",
+        "train",
+    }
 )
 
 __all__ = [

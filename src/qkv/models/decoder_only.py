@@ -19,6 +19,8 @@ from torch import Tensor, nn
 
 from qkv._checks import check_nonnegative_int
 from qkv.backends.shared import share_plans
+from qkv.distributed import ContextParallel
+from qkv.distributed import context_parallel as parallel_scope
 from qkv.dropout import Dropout
 from qkv.models.beam import check_beam_options
 from qkv.models.config import DecoderOnlyConfig
@@ -29,7 +31,13 @@ from qkv.models.generate import (
     generate_options,
     stream_decoder_only,
 )
-from qkv.models.inputs import check_ids, resolve_kv_cache, self_attention_padding
+from qkv.models.inputs import (
+    check_ids,
+    padding_from_ids,
+    resolve_kv_cache,
+    self_attention_padding,
+)
+from qkv.models.sharded import global_padding, sharded_positions, sharded_rule
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.norms import make_norm
@@ -200,6 +208,7 @@ class DecoderOnlyLM(nn.Module):
         cache: KVCache | None = None,
         validate: bool = True,
         logits_to_keep: int = 0,
+        context_parallel: ContextParallel | None = None,
     ) -> Tensor:
         """Next-token logits at every position.
 
@@ -216,16 +225,25 @@ class DecoderOnlyLM(nn.Module):
             logits_to_keep: the logits of the last this many positions only (``transformers``'
                 argument of that name; 0: all). A prompt's prefill needs the last one: the head
                 over every position would cost ``T * D * V`` multiply-adds for nothing.
+            context_parallel: the sequence is cut across the ranks of this group and layout:
+                ``ids`` and ``padding_mask`` are this rank's shards (e.g. from
+                :func:`qkv.distributed.shard`), and so are the logits; every rank of the group
+                calls it. See :mod:`qkv.distributed`.
 
         Returns:
             logits ``[B, T, V]`` (``[B, logits_to_keep, V]``).
 
         Raises:
             TypeError / ValueError: bad ids or mask, positions beyond ``max_positions``, both
-                ``kv_cache`` and ``cache``.
+                ``kv_cache`` and ``cache``; under ``context_parallel``, a cache or positions
+                the context-parallel attention cannot run (ALiBi, relative).
         """
         c = self.config
         cache = resolve_kv_cache(kv_cache, cache)
+        if context_parallel is not None:
+            return self._forward_sharded(
+                ids, padding_mask, cache, context_parallel, validate, logits_to_keep
+            )
         if isinstance(cache, StaticKVCache):
             raise TypeError("a StaticKVCache is used with forward_static(ids, kv_cache, positions)")
         check_nonnegative_int("logits_to_keep", logits_to_keep)
@@ -240,6 +258,36 @@ class DecoderOnlyLM(nn.Module):
             x = self.blocks(
                 x, mask, is_causal=True, attn_bias=pos.attn_bias, rope=pos.rope, kv_cache=cache
             )  # [B, T, D]
+        return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
+
+    def _forward_sharded(
+        self,
+        ids: Tensor,
+        padding_mask: Tensor | None,
+        cache: KVCache | None,
+        setting: ContextParallel,
+        validate: bool,
+        logits_to_keep: int,
+    ) -> Tensor:
+        """:meth:`forward` on this rank's shard of the sequence (see ``context_parallel``)."""
+        c = self.config
+        if cache is not None or c.positional in ("alibi", "relative"):
+            raise ValueError(
+                "context_parallel runs a whole sequence without a kv_cache, with absolute or "
+                f"rotary positions; got kv_cache={cache is not None}, "
+                f"positional={c.positional!r}"
+            )
+        check_nonnegative_int("logits_to_keep", logits_to_keep)
+        check_ids("ids", ids, c.vocab_size, field="vocab_size", validate=validate)
+        is_pad = padding_from_ids(ids, padding_mask, c.pad_id, "padding_mask", validate)
+        B, T = ids.shape
+        pad = global_padding(is_pad, B, T, setting, ids.device)  # [B, n] or None
+        positions = sharded_positions(pad, B, setting, from_padding=True, device=ids.device)
+        x = self.embed(ids)  # [B, T, D]
+        x, pos = position_inputs(self.positional, x, 0, causal=True, positions=positions)
+        x = self.embed_dropout(x)  # [B, T, D]
+        with parallel_scope(setting, self_mask=sharded_rule(pad, causal=True)):
+            x = self.blocks(x, None, is_causal=False, rope=pos.rope)  # [B, T, D]
         return self.lm_head(x[:, -logits_to_keep:])  # [B, T, V]
 
     @torch.no_grad()

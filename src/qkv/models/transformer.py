@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from qkv.backends.shared import share_plans
+from qkv.distributed import ContextParallel, global_length, local_positions
+from qkv.distributed import context_parallel as parallel_scope
 from qkv.dropout import Dropout
 from qkv.masks import padding_mask
 from qkv.models.config import TransformerConfig
@@ -24,6 +26,7 @@ from qkv.models.inputs import (
     resolve_kv_cache,
     self_attention_padding,
 )
+from qkv.models.sharded import GlobalPadding, global_padding, sharded_positions, sharded_rule
 from qkv.nn.kv_cache import KVCache
 from qkv.nn.layers import DecoderLayer, EncoderLayer
 from qkv.nn.norms import make_norm
@@ -270,6 +273,7 @@ class Transformer(nn.Module):
         tgt_padding_mask: Tensor | None = None,
         *,
         validate: bool = True,
+        context_parallel: ContextParallel | None = None,
     ) -> Tensor:
         """Teacher-forced logits: ``decode(tgt, encode(src))``.
 
@@ -279,14 +283,86 @@ class Transformer(nn.Module):
             src_padding_mask: bool ``[B, S]``, True = padding; None: derived from ``pad_id``.
             tgt_padding_mask: bool ``[B, T]``, True = padding; None: derived from ``pad_id``.
             validate: as :meth:`source_padding`.
+            context_parallel: both sequences are cut across the ranks of this group and layout:
+                ``src``, ``tgt`` and their masks are this rank's shards, and so are the logits;
+                every rank of the group calls it. See :mod:`qkv.distributed`.
 
         Returns:
             logits ``[B, T, V]``.
+
+        Raises:
+            ValueError: under ``context_parallel``, ALiBi or relative positions (score biases
+                the context-parallel attention does not take).
         """
+        if context_parallel is not None:
+            return self._forward_sharded(
+                src, tgt, src_padding_mask, tgt_padding_mask, context_parallel, validate
+            )
         is_pad = self.source_padding(src, src_padding_mask, validate=validate)
         with share_plans(validate=validate):  # the encoder's layers share one attention plan
             memory = self.encode_padded(src, is_pad)  # [B, S, D]
         return self.decode(tgt, memory, is_pad, tgt_padding_mask, validate=validate)
+
+    def _forward_sharded(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_padding_mask: Tensor | None,
+        tgt_padding_mask: Tensor | None,
+        setting: ContextParallel,
+        validate: bool,
+    ) -> Tensor:
+        """:meth:`forward` on this rank's shards of both sequences."""
+        c = self.config
+        if c.positional in ("alibi", "relative"):
+            raise ValueError(
+                "context_parallel runs absolute or rotary positions, got "
+                f"positional={c.positional!r}"
+            )
+        is_pad = self.source_padding(src, src_padding_mask, validate=validate)  # [B, S] or None
+        src_pad = global_padding(is_pad, src.shape[0], src.shape[1], setting, src.device)
+        memory = self._encode_sharded(src, src_pad, setting)  # [B, S, D]
+        check_ids("tgt", tgt, c.tgt_vocab_size, field="tgt_vocab_size", validate=validate)
+        if tgt_padding_mask is None and c.bos_id == c.pad_id:
+            # the first target token (global position 0, on one rank) is bos, not padding
+            first = local_positions(
+                global_length(tgt.shape[1], group=setting.group)[0],
+                setting.world, setting.rank, setting.layout, tgt.device,
+            ) == 0  # fmt: skip
+            tgt_padding_mask = (tgt == c.pad_id) & ~first  # [B, T]
+        tgt_is_pad = padding_from_ids(tgt, tgt_padding_mask, c.pad_id, "tgt_padding_mask", validate)
+        tgt_pad = global_padding(tgt_is_pad, tgt.shape[0], tgt.shape[1], setting, tgt.device)
+        positions = sharded_positions(
+            tgt_pad, tgt.shape[0], setting, from_padding=True, device=tgt.device
+        )
+        x = self.tgt_embed(tgt) * self.embed_scale  # [B, T, D]
+        positional = self.positional if self.tgt_positional is None else self.tgt_positional
+        x, pos = position_inputs(positional, x, 0, causal=True, positions=positions)
+        if self.tgt_embed_norm is not None:
+            x = self.tgt_embed_norm(x)  # [B, T, D]
+        x = self.embed_dropout(x)  # [B, T, D]
+        masks = {
+            "self_mask": sharded_rule(tgt_pad, causal=True),
+            "cross_mask": sharded_rule(src_pad, causal=False, queries=tgt_pad),
+        }
+        with parallel_scope(setting, **masks):
+            h = self.decoder(x, memory, rope=pos.rope)  # [B, T, D]
+        if c.output_scale != 1.0:
+            h = h * c.output_scale  # [B, T, D]
+        return self.lm_head(h)  # [B, T, V]
+
+    def _encode_sharded(self, src: Tensor, pad: GlobalPadding, setting: ContextParallel) -> Tensor:
+        """The encoder on this rank's shard of ``src``: memory ``[B, S_local, D]``."""
+        positions = sharded_positions(
+            pad, src.shape[0], setting, from_padding=False, device=src.device
+        )
+        x = self.src_embed(src) * self.embed_scale  # [B, S, D]
+        x, pos = position_inputs(self.positional, x, 0, causal=False, positions=positions)
+        if self.src_embed_norm is not None:
+            x = self.src_embed_norm(x)  # [B, S, D]
+        x = self.embed_dropout(x)  # [B, S, D]
+        with parallel_scope(setting, self_mask=sharded_rule(pad, causal=False)):
+            return self.encoder(x, rope=pos.rope)  # [B, S, D]
 
     @torch.no_grad()
     def generate(
