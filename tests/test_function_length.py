@@ -1,5 +1,6 @@
 """No function over 60 lines (its whole ``def``, docstring included) where the library's policy
-and layers live: ``backends/``, ``nn/``, ``models/``, and :func:`qkv.functional.attention`.
+and layers live: ``backends/``, ``distributed/``, ``nn/``, ``models/``, and
+:func:`qkv.functional.attention`.
 
 A longer function does several things; split it into helpers that each do one (see issue 26).
 """
@@ -13,7 +14,7 @@ import qkv
 
 PACKAGE_DIR = Path(qkv.__file__).parent
 MAX_LINES = 60
-FOLDERS = ("backends", "nn", "models")
+FOLDERS = ("backends", "distributed", "nn", "models")
 SINGLE = (("functional.py", "attention"),)
 
 

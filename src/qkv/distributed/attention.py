@@ -200,6 +200,20 @@ def context_parallel_attention(
         TypeError: tensors that are not floating point, a mask that is not a rule.
         ValueError: shapes that do not fit, a plan made for other shapes or another rank.
     """
+    _check_shards(query, key, value)
+    rule = mask
+    if is_causal:
+        rule = Causal() if mask is None else (mask | Causal())
+    if plan is None:
+        plan = _plan(query, key, rule, group, check_layout(layout), (length, kv_length))
+    _check_plan(plan, query, key, group)
+    s = 1.0 / math.sqrt(query.shape[3]) if scale is None else float(scale)
+    out: Tensor = _ContextParallel.apply(query, key, value, plan, s, group)
+    return out
+
+
+def _check_shards(query: Tensor, key: Tensor, value: Tensor) -> None:
+    """The shards' types and shapes, checked (see :func:`context_parallel_attention`)."""
     if not all(isinstance(t, Tensor) for t in (query, key, value)):
         raise TypeError("query, key and value must be torch.Tensors")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -212,7 +226,7 @@ def context_parallel_attention(
             f"query, key and value must share one floating dtype, got {query.dtype}, "
             f"{key.dtype}, {value.dtype}"
         )
-    B, H, T, Dh = query.shape
+    B, H, _, Dh = query.shape
     Hkv = key.shape[1]
     if key.shape[0] != B or value.shape[0] != B or key.shape[2] != value.shape[2]:
         raise ValueError(
@@ -224,28 +238,38 @@ def context_parallel_attention(
             f"query [B, H, T, Dh] = {list(query.shape)} does not fit key {list(key.shape)} "
             f"and value {list(value.shape)} (Dh must match, Hkv must divide H)"
         )
+
+
+def _plan(
+    query: Tensor,
+    key: Tensor,
+    rule: StructuredMask | None,
+    group: dist.ProcessGroup | None,
+    layout: Layout,
+    lengths: tuple[int | None, int | None],
+) -> ContextPlan:
+    """The plan of one call, its global lengths learned by one all-reduce if not given."""
+    B, H, T, _ = query.shape
+    length, kv_length = lengths
+    if length is None or kv_length is None:
+        n, m = global_length(T, key.shape[2], group=group)
+        length = n if length is None else length
+        kv_length = m if kv_length is None else kv_length
     rank, world = group_rank(group)
-    rule = mask
-    if is_causal:
-        rule = Causal() if mask is None else (mask | Causal())
-    if plan is None:
-        if length is None or kv_length is None:
-            n, m = global_length(T, key.shape[2], group=group)
-            length = n if length is None else length
-            kv_length = m if kv_length is None else kv_length
-        plan = plan_context(
-            rule,
-            batch=B,
-            heads=H,
-            kv_heads=Hkv,
-            length=length,
-            kv_length=kv_length,
-            world=world,
-            rank=rank,
-            layout=check_layout(layout),
-            device=query.device,
-        )
-    elif plan.rank != rank or plan.world != world or plan.grid != (B, H, Hkv):
+    return plan_context(
+        rule, batch=B, heads=H, kv_heads=key.shape[1], length=length, kv_length=kv_length,
+        world=world, rank=rank, layout=layout, device=query.device,
+    )  # fmt: skip
+
+
+def _check_plan(
+    plan: ContextPlan, query: Tensor, key: Tensor, group: dist.ProcessGroup | None
+) -> None:
+    """A given plan must be this rank's, for these shapes."""
+    B, H, T, _ = query.shape
+    Hkv = key.shape[1]
+    rank, world = group_rank(group)
+    if plan.rank != rank or plan.world != world or plan.grid != (B, H, Hkv):
         raise ValueError(
             f"plan was made for rank {plan.rank} of {plan.world} and (B, H, Hkv) = {plan.grid}; "
             f"this call is rank {rank} of {world} with {(B, H, Hkv)}"
@@ -256,6 +280,3 @@ def context_parallel_attention(
             f"{plan.kv_local_length} of {plan.kv_length} keys in the plan's {plan.layout} "
             f"layout, but the shards have T_local={T} and S_local={key.shape[2]}"
         )
-    s = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
-    out: Tensor = _ContextParallel.apply(query, key, value, plan, s, group)
-    return out

@@ -180,7 +180,7 @@ def unshard(
     """
     d = _check_dim(x_local, dim, "x_local")
     check_layout(layout)
-    rank, world = group_rank(group)
+    _, world = group_rank(group)
     if world == 1:
         return x_local
     mine = torch.tensor([x_local.shape[d]], dtype=torch.long, device=x_local.device)
@@ -194,14 +194,18 @@ def unshard(
             f"shards of lengths {lengths} along dim {d} are not a {layout} cut of {n} "
             f"positions (expected {expected})"
         )
-    longest = max(lengths)
-    padded = torch.zeros(
-        *x_local.shape[:d],
-        longest,
-        *x_local.shape[d + 1 :],
-        dtype=x_local.dtype,
-        device=x_local.device,
-    )  # [..., longest, ...]
+    return _gather(x_local, d, lengths, group, layout)
+
+
+def _gather(
+    x_local: Tensor, d: int, lengths: list[int], group: dist.ProcessGroup | None, layout: Layout
+) -> Tensor:
+    """Every rank's shard (of the ``lengths`` given) gathered and put back in its place."""
+    rank, world = group_rank(group)
+    n = sum(lengths)
+    shape = list(x_local.shape)
+    shape[d] = max(lengths)
+    padded = torch.zeros(shape, dtype=x_local.dtype, device=x_local.device)  # [..., longest, ...]
     padded.narrow(d, 0, lengths[rank]).copy_(x_local.detach())
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded, group=group)

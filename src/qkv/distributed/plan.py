@@ -326,6 +326,48 @@ def plan_context(
         ValueError: an unknown layout, a rank outside the world, or a rule that does not fit
             ``[B, H, length, kv_length]``.
     """
+    _check_grid(mask, batch, heads, kv_heads)
+    layout = check_layout(layout)
+    dev = torch.device("cpu") if device is None else device
+    S = length if kv_length is None else kv_length
+    if mask is not None:
+        mask.validate(batch, heads, length, S, dev)
+    segs = tuple(tuple(segments(length, world, r, layout)) for r in range(world))
+    kv_segs = tuple(tuple(segments(S, world, r, layout)) for r in range(world))
+    needs = _needs(mask, (batch, heads, length, S), segs, kv_segs, dev)
+    blocks = resolve_blocks(mask, block_q, block_k)
+    grid4 = (batch, heads, length, S)
+    mine = (segs[rank], kv_segs[rank], needs[rank])
+    pairs = tuple(_pairs(mask, grid4, mine, j == rank, j, blocks, dev) for j in range(world))
+    grid = (batch, heads, kv_heads)
+    return ContextPlan(length, S, world, rank, layout, grid, segs, kv_segs, needs, pairs, mask)
+
+
+def _needs(
+    mask: StructuredMask | None,
+    grid: tuple[int, int, int, int],
+    segs: tuple[tuple[Segment, ...], ...],
+    kv_segs: tuple[tuple[Segment, ...], ...],
+    dev: torch.device,
+) -> tuple[tuple[tuple[Segment, ...], ...], ...]:
+    """``needs[i][j]``: the key ranges of rank ``j`` that rank ``i``'s queries see."""
+    B, H, T, S = grid
+    world = len(segs)
+    return tuple(
+        tuple(
+            tuple(
+                rng
+                for k_seg in kv_segs[j]
+                if (rng := needed_ranges(mask, B, H, (T, S), list(segs[i]), k_seg, dev))
+            )
+            for j in range(world)
+        )
+        for i in range(world)
+    )
+
+
+def _check_grid(mask: object, batch: int, heads: int, kv_heads: int) -> None:
+    """The counts and the mask's type of :func:`plan_context`, checked."""
     for name, value in (("batch", batch), ("heads", heads), ("kv_heads", kv_heads)):
         check_positive_int(name, value)
     if heads % kv_heads:
@@ -335,47 +377,34 @@ def plan_context(
             "mask must be a qkv mask rule in global coordinates (Causal, Padding, Documents, "
             f"SlidingWindow, MaskMod or a combination), got {type(mask).__name__}"
         )
-    layout = check_layout(layout)
-    dev = torch.device("cpu") if device is None else device
-    S = length if kv_length is None else kv_length
-    if mask is not None:
-        mask.validate(batch, heads, length, S, dev)
-    segs = tuple(tuple(segments(length, world, r, layout)) for r in range(world))
-    kv_segs = tuple(tuple(segments(S, world, r, layout)) for r in range(world))
-    needs = tuple(
-        tuple(
-            tuple(
-                rng
-                for k_seg in kv_segs[j]
-                if (
-                    rng := needed_ranges(mask, batch, heads, (length, S), list(segs[i]), k_seg, dev)
-                )
-            )
-            for j in range(world)
-        )
-        for i in range(world)
-    )
-    bq, bk = resolve_blocks(mask, block_q, block_k)
-    pairs = []
-    for j in range(world):
-        # Columns: own keys index the local tensor; received ones the buffer, in needs order.
-        if j == rank:
-            cols = local_ranges(kv_segs[rank], needs[rank][rank])
-        else:
-            cols, offset = [], 0
-            for a, b in needs[rank][j]:
-                cols.append(((a, b), (offset, offset + b - a)))
-                offset += b - a
-        per = []
-        for (q0g, q1g), (r0, r1) in local_ranges(segs[rank], segs[rank]):
-            for (k0g, k1g), (c0, c1) in cols:
-                rule = None if mask is None else Shifted(mask, length, S, q0g, k0g)
-                tp = plan_tiles(rule, batch, heads, q1g - q0g, k1g - k0g, bq, bk, dev, True)
-                if tp.computed:
-                    kind = _kind(mask, tp, (q0g, q1g) == (k0g, k1g), length, S)
-                    per.append(PairPlan((r0, r1), (c0, c1), tp, kind))
-        pairs.append(tuple(per))
-    grid = (batch, heads, kv_heads)
-    return ContextPlan(
-        length, S, world, rank, layout, grid, segs, kv_segs, needs, tuple(pairs), mask
-    )
+
+
+def _pairs(
+    mask: StructuredMask | None,
+    grid: tuple[int, int, int, int],
+    mine: tuple[tuple[Segment, ...], tuple[Segment, ...], tuple[tuple[Segment, ...], ...]],
+    own: bool,
+    src: int,
+    blocks: tuple[int, int],
+    dev: torch.device,
+) -> tuple[PairPlan, ...]:
+    """This rank's blocks against the keys of rank ``src``: one per query segment and key
+    range, each with its tile plan (``grid``: ``(B, H, T, S)``; ``mine``: this rank's query
+    segments, key segments and row of ``needs``)."""
+    B, H, T, S = grid
+    q_segs, kv_segs, needs = mine
+    if own:  # own keys index the local tensor
+        cols = local_ranges(kv_segs, needs[src])
+    else:  # received ones the buffer, in needs order
+        cols, offset = [], 0
+        for a, b in needs[src]:
+            cols.append(((a, b), (offset, offset + b - a)))
+            offset += b - a
+    per = []
+    for (q0g, q1g), rows in local_ranges(q_segs, q_segs):
+        for (k0g, k1g), cs in cols:
+            rule = None if mask is None else Shifted(mask, T, S, q0g, k0g)
+            tp = plan_tiles(rule, B, H, q1g - q0g, k1g - k0g, *blocks, dev, True)
+            if tp.computed:
+                per.append(PairPlan(rows, cs, tp, _kind(mask, tp, (q0g, q1g) == (k0g, k1g), T, S)))
+    return tuple(per)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from qkv._checks import check_bool, check_positive_int
-from qkv.distributed.context import Scope, active_scope
 from qkv.functional import Backend, attention
 from qkv.masks import StructuredMask
 from qkv.nn.mha_call import (
@@ -24,6 +23,7 @@ from qkv.nn.mha_call import (
     torch_outputs,
 )
 from qkv.nn.positional import apply_rotary
+from qkv.nn.sharded_attention import attend_sharded, check_shardable, sharded_scope
 
 if TYPE_CHECKING:
     from qkv.nn.kv_cache import KVCache
@@ -345,11 +345,7 @@ class MultiHeadAttention(nn.Module):
         B, S = query.shape[0], key.shape[1]
         blocked, attn_bias = merge_masks(torch_masks, mask, attn_bias, B, self.num_heads, S)
         q, k, v = self._project(query, key, value, rope, kv_cache, layer_idx, cross)
-        if (scope := active_scope()) is not None:  # context parallelism: q, k, v are shards
-            self._check_shardable(attn_bias, blocked, need_weights)
-            out, weights = self._attend_sharded(scope, q, k, v, is_causal, cross), None
-        else:
-            out, weights = self._attend(q, k, v, blocked, attn_bias, is_causal, need_weights)
+        out, weights = self._attend(q, k, v, blocked, attn_bias, (is_causal, cross), need_weights)
         return torch_outputs(out, weights, average_attn_weights, unbatched, self.batch_first)
 
     def _project(
@@ -369,56 +365,6 @@ class MultiHeadAttention(nn.Module):
             q = apply_rotary(q, *rope)  # [B, H, T, Dh]
         return q, k, v  # [B, H, T, Dh], [B, Hkv, S, Dh] x 2
 
-    def _attend_sharded(
-        self,
-        scope: Scope,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        is_causal: bool,
-        cross: bool,
-    ) -> Tensor:
-        """Context-parallel attention on this rank's shards, then the output projection; the
-        mask (global) and causality come from ``scope`` (see :mod:`qkv.distributed.context`).
-
-        """
-        B, _, T, _ = q.shape
-        out = scope.attention(q, k, v, cross=cross, is_causal=is_causal, scale=self.scale)
-        out = out.transpose(1, 2).reshape(B, T, self.embed_dim)  # [B, T, D]
-        return self.out_proj(out)  # [B, T, D]
-
-    def _check_shardable(
-        self,
-        attn_bias: Tensor | None,
-        blocked: Tensor | StructuredMask | None,
-        need_weights: bool | None,
-    ) -> None:
-        """Refuse what context-parallel attention does not compute, naming it.
-
-        Raises:
-            ValueError: an ``attn_bias``, weights, attention dropout in training, or a mask
-                passed to the layer (local coordinates) under context parallelism.
-        """
-        refused = [
-            name
-            for name, present in (
-                ("attn_bias (ALiBi or relative positions)", attn_bias is not None),
-                ("attention weights (need_weights / record_weights)",
-                 need_weights is True or self.record_weights),
-                ("a mask passed to the layer (the model's forward gives global ones)",
-                 blocked is not None),
-                ("attention dropout (in training)", self.training and self.dropout > 0),
-            )
-            if present
-        ]  # fmt: skip
-        if refused:
-            raise ValueError(
-                "context parallelism computes attention without "
-                + ", ".join(refused)
-                + "; turn it off for a sharded forward (attention dropout: a config with "
-                "dropout=0, or model.eval())"
-            )
-
     def _attend(
         self,
         q: Tensor,
@@ -426,17 +372,25 @@ class MultiHeadAttention(nn.Module):
         v: Tensor,
         blocked: Tensor | StructuredMask | None,
         attn_bias: Tensor | None,
-        is_causal: bool,
+        flags: tuple[bool, bool],
         need_weights: bool | None,
     ) -> tuple[Tensor, Tensor | None]:
-        """:func:`qkv.attention` on the heads, then the output projection.
+        """:func:`qkv.attention` on the heads, then the output projection; inside a model's
+        context-parallel forward, the sharded call of :mod:`qkv.nn.sharded_attention`.
+
+        ``flags`` is ``(is_causal, cross)``.
 
         Returns:
             ``(output [B, T, D], weights [B, H, T, S] if need_weights else None)``.
 
         Raises:
-            ValueError: ``need_weights=True`` with a backend that returns no weights.
+            ValueError: ``need_weights=True`` with a backend that returns no weights; what
+                context parallelism does not compute (see :func:`check_shardable`).
         """
+        is_causal, cross = flags
+        if (scope := sharded_scope()) is not None:  # context parallelism: q, k, v are shards
+            check_shardable(self, attn_bias, blocked, need_weights)
+            return attend_sharded(self, scope, q, k, v, is_causal, cross), None
         need_weights = resolve_need_weights(need_weights, self.backend)
         B, _, T, _ = q.shape
         if is_causal and T == 1:
