@@ -21,7 +21,7 @@ from qkv.apps.cli import main
 from qkv.distributed import ContextParallel
 from qkv.train.config import TrainConfig
 from qkv.train.distributed import DistContext, ProcessSplit, split_processes
-from qkv.train.loop import RunOptions, check_context_parallel, train
+from qkv.train.loop import RunOptions, _context_shard, check_context_parallel, train
 from qkv.train.tasks import build_task
 from qkv.train.text import LMBatch
 
@@ -155,6 +155,9 @@ def test_bad_context_parallel_settings_are_refused(tiny: Callable[..., TrainConf
     with pytest.raises(ValueError, match="context_parallel=2 must divide"):
         split_processes(DistContext(), 2)
     assert split_processes(DistContext(), 1) == ProcessSplit()
+    # a task's batch without context_shard (the Batch protocol's method) is named
+    with pytest.raises(TypeError, match=r"context_shard.* object has none"):
+        _context_shard(object(), ProcessSplit(context=ContextParallel()))  # type: ignore[arg-type]
     # one process (no torchrun): refused before any training
     with pytest.raises(ValueError, match=r"context_parallel=2 must divide .* got 1"):
         train(cfg, RunOptions(progress=False, context_parallel=2))
