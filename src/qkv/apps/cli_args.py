@@ -19,6 +19,7 @@ from qkv.apps.cli_types import (
     unit_interval,
 )
 from qkv.apps.viz import DEFAULT_PNG, KINDS
+from qkv.distributed import LAYOUTS
 from qkv.functional import BACKENDS
 from qkv.train.config import POSITIONALS, SCHEDULES, TASKS, TrainConfig
 
@@ -183,6 +184,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--target-accuracy",
         type=accuracy,
         help="stop at the first evaluation reaching this held-out accuracy, in (0, 1]",
+    )
+    p.add_argument(
+        "--context-parallel",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="under torchrun: N processes share each sequence, each holding a shard of it "
+        "(N must divide the processes; the rest is data parallelism); the step equals one "
+        "process on the whole batch. Needs --dropout 0 and absolute or rotary positions",
+    )
+    p.add_argument(
+        "--context-layout",
+        default="zigzag",
+        choices=LAYOUTS,
+        help="how --context-parallel cuts a sequence: zigzag (balances causal work) or contiguous",
     )
     _add_threads(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -62,6 +62,8 @@ def run_train(args: argparse.Namespace) -> int:
         stop_after=args.stop_after,
         target_accuracy=args.target_accuracy,
         progress=not args.no_progress,
+        context_parallel=args.context_parallel,
+        context_layout=args.context_layout,
     )
     result = train(cfg, opts)
     # the shell's convention: 130 after SIGINT, 143 after SIGTERM
@@ -70,9 +72,10 @@ def run_train(args: argparse.Namespace) -> int:
         return code
     world = int(os.environ.get("WORLD_SIZE", "1"))
     counted = "non-padding tokens" if cfg.task == "text" else "non-padding source + target"
+    shared = "" if opts.context_parallel == 1 else f", {opts.context_parallel} per sequence"
     print(
         f"trained to step {result.step}/{cfg.steps} in {result.seconds:.1f} s on {world} "
-        f"process(es), {result.tokens_per_s:,.0f} tokens/s ({counted})"
+        f"process(es){shared}, {result.tokens_per_s:,.0f} tokens/s ({counted})"
     )
     if result.evals:
         last = result.evals[-1]

@@ -1,5 +1,5 @@
 """Training, checkpoints and decoding: the :class:`~qkv.train.task.Task` protocol and the
-built-in tasks, the loop, safetensors checkpoints, multi-process data parallelism. The
+built-in tasks, the loop, safetensors checkpoints, multi-process data and context parallelism. The
 ``qkv train/generate/plot`` commands (:mod:`qkv.apps`) call into here."""
 
 from qkv.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

@@ -11,6 +11,12 @@ is the *sum* over its tokens divided by the global token count, times ``world_si
 averages rather than sums). The averaged gradient is then the gradient of the global token-mean
 loss, as in one process; only the order of the floating-point additions differs. Dropout draws
 differ per process, so that equality holds for ``dropout=0``.
+
+Context parallelism (:func:`split_processes`): with ``context_parallel = C``, the ``W`` processes
+form ``W / C`` data-parallel replicas of ``C`` consecutive ranks each. The ranks of one group take
+the same rows and each holds its shard of every sequence (:mod:`qkv.distributed`); a rank's
+parameter gradients after ``backward`` are its share of its group's, so DDP's average over all
+``W`` processes, with the loss scaled as above, is again the gradient of the global mean loss.
 """
 
 from __future__ import annotations
@@ -22,12 +28,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from qkv._checks import check_positive_int
+from qkv.distributed import ContextParallel, Layout
+from qkv.distributed.layout import check_layout
+
 __all__ = [
     "DistContext",
+    "ProcessSplit",
     "all_reduce_sum",
     "barrier",
     "init_from_env",
     "shutdown",
+    "split_processes",
     "wrap_model",
 ]
 
@@ -48,6 +60,61 @@ class DistContext:
     def is_main(self) -> bool:
         """Rank 0: the process that prints and writes checkpoints."""
         return self.rank == 0
+
+
+@dataclass(frozen=True)
+class ProcessSplit:
+    """How the processes share a step: data-parallel replicas, each a context-parallel group.
+
+    Attributes:
+        data_rank: this process's replica, in ``[0, data_parallel)``: the rows it takes.
+        data_parallel: replicas (``world_size / context_parallel``): the row shards.
+        context: the group and layout this process's sequences are cut in, or None when each
+            process holds whole sequences (``context_parallel = 1``).
+    """
+
+    data_rank: int = 0
+    data_parallel: int = 1
+    context: ContextParallel | None = None
+
+
+def split_processes(
+    ctx: DistContext, context_parallel: int = 1, layout: Layout = "zigzag"
+) -> ProcessSplit:
+    """Cut the ``W`` processes into ``W / C`` groups of ``C = context_parallel`` consecutive ranks.
+
+    Every process calls it (each creates every group, in the same order, as
+    ``torch.distributed.new_group`` requires).
+
+    Args:
+        ctx: this process's place in the world.
+        context_parallel: processes that share one sequence.
+        layout: how a sequence is cut among them (``"zigzag"`` or ``"contiguous"``).
+
+    Returns:
+        This process's replica and context-parallel group.
+
+    Raises:
+        TypeError: ``context_parallel`` not an int.
+        ValueError: ``context_parallel`` below 1 or not dividing the number of processes, an
+            unknown layout.
+    """
+    check_positive_int("context_parallel", context_parallel)
+    check_layout(layout)
+    W, C = ctx.world_size, context_parallel
+    if W % C != 0:
+        raise ValueError(
+            f"context_parallel={C} must divide the number of processes, got {W} "
+            f"(start a multiple of {C} under torchrun, e.g. torchrun --nproc_per_node={C})"
+        )
+    if C == 1:
+        return ProcessSplit(data_rank=ctx.rank, data_parallel=W)
+    mine = None
+    for first in range(0, W, C):
+        group = dist.new_group(list(range(first, first + C)))
+        if first <= ctx.rank < first + C:
+            mine = group
+    return ProcessSplit(ctx.rank // C, W // C, ContextParallel(mine, layout))
 
 
 def init_from_env(backend: str = "gloo") -> DistContext:

@@ -1,6 +1,6 @@
 """The training loop: AdamW, warmup + schedule, gradient clipping, label smoothing, periodic
 exact-match evaluation by decoding, a tqdm bar, checkpoints and exact resume, optionally on
-several processes (see :mod:`qkv.train.distributed`).
+several processes, data-parallel and context-parallel (see :mod:`qkv.train.distributed`).
 
 Reproducibility: the weights come from ``torch.manual_seed(seed)``, every batch is a function of
 ``(seed, step)``, and the torch RNG state (dropout) is saved with each checkpoint, so a run with
@@ -30,6 +30,8 @@ from torch import nn
 from tqdm import tqdm
 
 from qkv._checks import check_bool, check_nonnegative_int, check_positive_int, check_probability
+from qkv.distributed import Layout
+from qkv.distributed.layout import check_layout
 from qkv.models.registry import load_weights, model_from_config
 from qkv.train.checkpoint import (
     CheckpointError,
@@ -41,17 +43,19 @@ from qkv.train.checkpoint import (
 from qkv.train.config import TrainConfig, build_optimizer, lr_at
 from qkv.train.distributed import (
     DistContext,
+    ProcessSplit,
     all_reduce_sum,
     barrier,
     init_from_env,
     shutdown,
+    split_processes,
     wrap_model,
 )
 from qkv.train.task import PAD_ID, Batch, Task, loss_sum
 from qkv.train.tasks import build_task
 
 # loss_sum lives with the Batch protocol it reads; it is re-exported here, where it is used.
-__all__ = ["RunOptions", "TrainResult", "evaluate", "loss_sum", "train"]
+__all__ = ["RunOptions", "TrainResult", "check_context_parallel", "evaluate", "loss_sum", "train"]
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,16 @@ class RunOptions:
         progress: show the tqdm bar (rank 0 only) when stderr is a terminal; elsewhere (a
             log file) a line per evaluation instead, with the training loss and speed.
         log_evals: print a line per evaluation (rank 0 only).
+        context_parallel: processes that share each sequence (under torchrun; it must divide
+            their number): each holds a shard of every sequence of its rows, and the step is
+            still that of one process on the whole batch. Needs ``dropout=0`` and absolute or
+            rotary positions. 1: each process holds whole sequences (data parallelism only).
+        context_layout: how a sequence is cut among them, ``"zigzag"`` (balances causal work)
+            or ``"contiguous"``.
 
     Raises:
         ValueError: a negative ``save_every``, a ``stop_after`` below 1, a ``target_accuracy``
-            outside ``(0, 1]``.
+            outside ``(0, 1]``, a ``context_parallel`` below 1, an unknown ``context_layout``.
         TypeError: a count that is not an int, a flag that is not a bool.
     """
 
@@ -85,11 +95,15 @@ class RunOptions:
     target_accuracy: float | None = None
     progress: bool = True
     log_evals: bool = True
+    context_parallel: int = 1
+    context_layout: Layout = "zigzag"
 
     def __post_init__(self) -> None:
         for name in ("resume", "overwrite", "progress", "log_evals"):
             check_bool(name, getattr(self, name))
         check_nonnegative_int("save_every", self.save_every)
+        check_positive_int("context_parallel", self.context_parallel)
+        check_layout(self.context_layout)
         if self.stop_after is not None:
             check_positive_int("stop_after", self.stop_after)
         if self.target_accuracy is not None:
@@ -281,11 +295,14 @@ def _update(
     lr: float,
     cfg: TrainConfig,
     ctx: DistContext,
+    split: ProcessSplit,
 ) -> float:
     """One optimizer step on this process's shard of ``global_batch``; the global mean loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    local = global_batch.shard(ctx.rank, ctx.world_size)
+    local = global_batch.shard(split.data_rank, split.data_parallel)
+    if split.context is not None:  # and this rank's shard of each of its rows' sequences
+        local = _context_shard(local, split)
     n_global = int((global_batch.targets != PAD_ID).sum())
     total, _ = loss_sum(net, local, cfg.label_smoothing)
     loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
@@ -295,6 +312,52 @@ def _update(
         nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     return float(all_reduce_sum(total.detach(), ctx)) / n_global
+
+
+def _context_shard(local: Batch, split: ProcessSplit) -> Batch:
+    """``local.context_shard(...)``, or a TypeError naming a batch type that has none."""
+    assert split.context is not None
+    cut = getattr(local, "context_shard", None)
+    if cut is None:
+        raise TypeError(
+            f"context_parallel needs batches with a context_shard(setting) method; "
+            f"{type(local).__name__} has none"
+        )
+    out: Batch = cut(split.context)
+    return out
+
+
+def check_context_parallel(cfg: TrainConfig, opts: RunOptions, world_size: int) -> None:
+    """Refuse, before anything is built, a ``context_parallel`` the run cannot take.
+
+    Raises:
+        ValueError: ``opts.context_parallel`` not dividing ``world_size``; above 1 with
+            ``cfg.dropout > 0`` (attention dropout does not run on a sharded sequence) or
+            ALiBi / relative positions (score biases the context-parallel attention does not
+            take); a ``batch_size`` the data-parallel replicas cannot split evenly.
+    """
+    C = opts.context_parallel
+    if world_size % C != 0:
+        raise ValueError(
+            f"context_parallel={C} must divide the number of processes, got {world_size} "
+            f"(start a multiple of {C} under torchrun, e.g. torchrun --nproc_per_node={C})"
+        )
+    if C > 1 and cfg.dropout > 0:
+        raise ValueError(
+            f"context_parallel={C} needs dropout=0 (attention dropout does not run on a "
+            f"sharded sequence), got dropout={cfg.dropout}"
+        )
+    if C > 1 and cfg.positional in ("alibi", "relative"):
+        raise ValueError(
+            f"context_parallel={C} needs absolute or rotary positions (sinusoidal, learned, "
+            f"rotary, none), got positional={cfg.positional!r}"
+        )
+    replicas = world_size // C
+    if cfg.batch_size % replicas != 0:
+        what = "processes" if C == 1 else f"data-parallel replicas ({world_size} processes / {C})"
+        raise ValueError(
+            f"batch_size={cfg.batch_size} must be divisible by the number of {what} ({replicas})"
+        )
 
 
 def _stop_requested(stop: _StopOnSignal, ctx: DistContext) -> int | None:
@@ -316,11 +379,8 @@ def _train(
     task: Task,
     stop: _StopOnSignal,
 ) -> TrainResult:
-    if cfg.batch_size % ctx.world_size != 0:
-        raise ValueError(
-            f"batch_size={cfg.batch_size} must be divisible by the number of "
-            f"processes ({ctx.world_size})"
-        )
+    check_context_parallel(cfg, opts, ctx.world_size)
+    split = split_processes(ctx, opts.context_parallel, opts.context_layout)
     torch.manual_seed(cfg.seed)
     model_config = task.model_config(cfg)
     model = model_from_config(task.model_type, model_config)
@@ -368,7 +428,7 @@ def _train(
         ts = time.perf_counter()
         lr = lr_at(step, cfg)
         global_batch = task.train_batch(cfg.seed, step, cfg.batch_size)
-        mean_loss = _update(net, model, optimizer, global_batch, lr, cfg, ctx)
+        mean_loss = _update(net, model, optimizer, global_batch, lr, cfg, ctx, split)
         result.step = step + 1
         result.losses.append(mean_loss)
         train_time += time.perf_counter() - ts

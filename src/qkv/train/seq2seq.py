@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv._checks import check_positive_int
+from qkv.distributed import ContextParallel
 from qkv.models.config import TransformerConfig
 from qkv.train.config import TrainConfig
 from qkv.train.task import (
@@ -27,6 +28,7 @@ from qkv.train.task import (
     loss_sum,
     model_width,
     pad_rows,
+    sequence_shard,
     shard_slice,
     step_rng,
 )
@@ -47,11 +49,13 @@ _EVAL_CHUNK = 250  # sources decoded per generate call during evaluation
 @dataclass(frozen=True)
 class Seq2SeqBatch:
     """Padded ids: ``src [B, S]``; ``tgt_in = <bos> + target`` and ``tgt_out = target + <eos>``,
-    both ``[B, T]``. Padding is ``PAD_ID`` everywhere."""
+    both ``[B, T]``. Padding is ``PAD_ID`` everywhere. With ``context_parallel`` set, the three
+    are this rank's shards of the sequences (:meth:`context_shard`)."""
 
     src: Tensor
     tgt_in: Tensor
     tgt_out: Tensor
+    context_parallel: ContextParallel | None = None
 
     @property
     def targets(self) -> Tensor:
@@ -64,18 +68,31 @@ class Seq2SeqBatch:
         return int((self.src != PAD_ID).sum() + (self.tgt_out != PAD_ID).sum())
 
     def logits(self, model: nn.Module) -> Tensor:
-        """Teacher-forced scores ``[B, T, V]`` of an encoder-decoder ``model``."""
+        """Teacher-forced scores ``[B, T, V]`` of an encoder-decoder ``model`` (this rank's
+        shard under context parallelism)."""
+        extra = {} if self.context_parallel is None else {"context_parallel": self.context_parallel}
         return model(
             self.src,
             self.tgt_in,
             src_padding_mask=self.src == PAD_ID,
             tgt_padding_mask=self.tgt_in == PAD_ID,
+            **extra,
         )  # [B, T, V]
 
     def shard(self, rank: int, world_size: int) -> Seq2SeqBatch:
         """The contiguous slice of rows for one process."""
         sl = shard_slice(self.src.shape[0], rank, world_size)
-        return Seq2SeqBatch(self.src[sl], self.tgt_in[sl], self.tgt_out[sl])
+        return Seq2SeqBatch(self.src[sl], self.tgt_in[sl], self.tgt_out[sl], self.context_parallel)
+
+    def context_shard(self, setting: ContextParallel) -> Seq2SeqBatch:
+        """This rank's shards of ``src``, ``tgt_in`` and ``tgt_out`` (see
+        :func:`~qkv.train.task.sequence_shard`), run context-parallel in ``setting``."""
+        return Seq2SeqBatch(
+            sequence_shard(self.src, setting),  # [B, S_local]
+            sequence_shard(self.tgt_in, setting),  # [B, T_local]
+            sequence_shard(self.tgt_out, setting),  # [B, T_local]
+            setting,
+        )
 
 
 class Seq2SeqTask:

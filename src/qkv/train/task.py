@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv._checks import check_positive_int
+from qkv.distributed import ContextParallel, shard
 from qkv.train.config import TrainConfig
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "loss_sum",
     "model_width",
     "pad_rows",
+    "sequence_shard",
     "shard_slice",
     "step_rng",
 ]
@@ -120,6 +122,12 @@ class Batch(Protocol):
 
     def shard(self, rank: int, world_size: int) -> Batch:
         """The contiguous slice of rows for one process."""
+        ...
+
+    def context_shard(self, setting: ContextParallel) -> Batch:
+        """This process's shard of every sequence (:func:`sequence_shard`), as a batch whose
+        :meth:`logits` run the model context-parallel in ``setting`` (every rank of its group
+        calls them together) and whose :attr:`targets` are the shard's."""
         ...
 
 
@@ -302,6 +310,27 @@ def pad_rows(rows: list[list[int]]) -> Tensor:
     """``rows`` right-padded with ``PAD_ID`` into one ``[len(rows), longest]`` long tensor."""
     width = max(len(r) for r in rows)
     return torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def sequence_shard(x: Tensor, setting: ContextParallel) -> Tensor:
+    """This rank's shard of the padded ids ``x [B, T]`` along ``T``, for context parallelism.
+
+    A batch narrower than the group (``T`` below its ranks) is first right-padded with
+    ``PAD_ID`` to one column per rank, so that no rank holds an empty shard (the models need
+    at least one position); padding is masked out of attention and carries no loss, so the
+    result is the same as without it.
+
+    Args:
+        x: long ``[B, T]``, the same on every rank of the group.
+        setting: the group and layout.
+
+    Returns:
+        Long ``[B, T_local]``, ``T_local >= 1``.
+    """
+    width = max(x.shape[1], setting.world)
+    if width > x.shape[1]:
+        x = F.pad(x, (0, width - x.shape[1]), value=PAD_ID)  # [B, width]
+    return shard(x, 1, setting.group, setting.layout)  # [B, T_local]
 
 
 def shard_slice(B: int, rank: int, world_size: int) -> slice:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkv.distributed import ContextParallel
 from qkv.models.config import DecoderOnlyConfig
 from qkv.train.config import TrainConfig
 from qkv.train.task import (
@@ -22,6 +23,7 @@ from qkv.train.task import (
     loss_sum,
     model_width,
     pad_rows,
+    sequence_shard,
     shard_slice,
     step_rng,
 )
@@ -31,10 +33,12 @@ __all__ = ["LMBatch", "TextTask"]
 
 @dataclass(frozen=True)
 class LMBatch:
-    """Padded ids ``inputs [B, T]`` and next-token ``targets [B, T]`` (``PAD_ID`` = ignore)."""
+    """Padded ids ``inputs [B, T]`` and next-token ``targets [B, T]`` (``PAD_ID`` = ignore).
+    With ``context_parallel`` set, both are this rank's shards (:meth:`context_shard`)."""
 
     inputs: Tensor
     targets: Tensor
+    context_parallel: ContextParallel | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -42,13 +46,24 @@ class LMBatch:
         return int((self.targets != PAD_ID).sum())
 
     def logits(self, model: nn.Module) -> Tensor:
-        """Next-token scores ``[B, T, V]`` of a decoder-only ``model``."""
-        return model(self.inputs, padding_mask=self.inputs == PAD_ID)
+        """Next-token scores ``[B, T, V]`` of a decoder-only ``model`` (this rank's shard under
+        context parallelism)."""
+        extra = {} if self.context_parallel is None else {"context_parallel": self.context_parallel}
+        return model(self.inputs, padding_mask=self.inputs == PAD_ID, **extra)  # [B, T, V]
 
     def shard(self, rank: int, world_size: int) -> LMBatch:
         """The contiguous slice of rows for one process."""
         sl = shard_slice(self.inputs.shape[0], rank, world_size)
-        return LMBatch(self.inputs[sl], self.targets[sl])
+        return LMBatch(self.inputs[sl], self.targets[sl], self.context_parallel)
+
+    def context_shard(self, setting: ContextParallel) -> LMBatch:
+        """This rank's shards of ``inputs`` and ``targets`` (see
+        :func:`~qkv.train.task.sequence_shard`), run context-parallel in ``setting``."""
+        return LMBatch(
+            sequence_shard(self.inputs, setting),  # [B, T_local]
+            sequence_shard(self.targets, setting),  # [B, T_local]
+            setting,
+        )
 
 
 class TextTask:
