@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +21,10 @@ from safetensors.torch import load_file
 from qkv.apps.cli import main
 from qkv.distributed import ContextParallel
 from qkv.train.config import TrainConfig
+from qkv.train.context import check_context_parallel, context_shard
 from qkv.train.distributed import DistContext, ProcessSplit, split_processes
-from qkv.train.loop import RunOptions, _context_shard, check_context_parallel, train
+from qkv.train.loop import RunOptions, train
+from qkv.train.task import PAD_ID, sequence_shard
 from qkv.train.tasks import build_task
 from qkv.train.text import LMBatch
 
@@ -90,7 +93,9 @@ def _assert_equals_one_process(ranks: list[dict[str, Any]], cfg: TrainConfig) ->
     # weight must agree, and the difference must change no output.
     for k, v in single.model.state_dict().items():
         if not k.endswith("k_proj.bias"):
-            torch.testing.assert_close(ranks[0]["weights"][k], v, msg=k, **TOL)
+            torch.testing.assert_close(
+                ranks[0]["weights"][k], v, msg=lambda m, k=k: f"{k}: {m}", **TOL
+            )
     replica = copy.deepcopy(single.model)
     replica.load_state_dict(ranks[0]["weights"])
     batch = build_task(cfg).train_batch(seed=99, step=0, batch_size=4)
@@ -127,27 +132,40 @@ def test_two_processes_sharing_each_sequence_match_one(
 def test_data_parallel_times_context_parallel_matches_one_process(
     tmp_path: Path, tiny: Callable[..., TrainConfig]
 ) -> None:
-    # 4 processes: 2 replicas x 2 ranks per sequence, the encoder-decoder cut contiguously.
-    # Sources of one character: src is one column, narrower than the group, so it is padded
-    # to one column per rank (checked here, so that path stays covered).
-    cfg = tiny(task="copy", min_len=1, max_len=1, steps=3, eval_every=3, eval_size=8, batch_size=4)
-    assert build_task(cfg).train_batch(cfg.seed, 0, cfg.batch_size).src.shape[1] == 1
+    # 4 processes: 2 replicas x 2 ranks per sequence, the encoder-decoder cut contiguously,
+    # sources of 3-6 characters (uneven cuts). One-character sources would make each
+    # attention see a single key, whose query and key projections then have a true gradient
+    # of 0 that Adam turns into lr-sized steps of rounding noise: no weight comparison holds.
+    cfg = tiny(task="copy", min_len=3, max_len=6, steps=3, eval_every=3, eval_size=8, batch_size=4)
     ranks = _run(tmp_path, 4, cfg, context_parallel=2, context_layout="contiguous")
     _assert_equals_one_process(ranks, cfg)
+
+
+def test_a_batch_narrower_than_the_group_is_padded_to_one_column_per_rank() -> None:
+    # The models need at least one position per rank: a one-column batch on a 2-rank group is
+    # right-padded with PAD_ID first (padding keys are masked and carry no loss). Outside
+    # torchrun shard() keeps the whole tensor, which shows the padding itself.
+    two_ranks = SimpleNamespace(world=2, group=None, layout="zigzag")
+    x = torch.tensor([[7], [9]])
+    padded = sequence_shard(x, two_ranks)  # type: ignore[arg-type]
+    assert torch.equal(padded, torch.tensor([[7, PAD_ID], [9, PAD_ID]]))
+    assert torch.equal(
+        sequence_shard(torch.tensor([[1, 2, 3]]), two_ranks), torch.tensor([[1, 2, 3]])
+    )  # type: ignore[arg-type]
 
 
 def test_bad_context_parallel_settings_are_refused(tiny: Callable[..., TrainConfig]) -> None:
     cfg = tiny()
     with pytest.raises(ValueError, match=r"context_parallel=3 must divide .* got 2"):
-        check_context_parallel(cfg, RunOptions(context_parallel=3), world_size=2)
+        check_context_parallel(cfg, 3, world_size=2)
     with pytest.raises(ValueError, match=r"needs dropout=0 .* got dropout=0.1"):
-        check_context_parallel(tiny(dropout=0.1), RunOptions(context_parallel=2), 2)
+        check_context_parallel(tiny(dropout=0.1), 2, 2)
     for positional in ("alibi", "relative"):
         with pytest.raises(ValueError, match=f"got positional='{positional}'"):
-            check_context_parallel(tiny(positional=positional), RunOptions(context_parallel=2), 2)
+            check_context_parallel(tiny(positional=positional), 2, 2)
     with pytest.raises(ValueError, match=r"batch_size=6 .* data-parallel replicas .* \(4\)"):
-        check_context_parallel(tiny(batch_size=6), RunOptions(context_parallel=2), 8)
-    check_context_parallel(tiny(dropout=0.1), RunOptions(), 2)  # no context parallelism: fine
+        check_context_parallel(tiny(batch_size=6), 2, 8)
+    check_context_parallel(tiny(dropout=0.1), 1, 2)  # no context parallelism: fine
     with pytest.raises(ValueError, match="context_parallel must be"):
         RunOptions(context_parallel=0)
     with pytest.raises(ValueError, match="layout must be one of"):
@@ -157,7 +175,7 @@ def test_bad_context_parallel_settings_are_refused(tiny: Callable[..., TrainConf
     assert split_processes(DistContext(), 1) == ProcessSplit()
     # a task's batch without context_shard (the Batch protocol's method) is named
     with pytest.raises(TypeError, match=r"context_shard.* object has none"):
-        _context_shard(object(), ProcessSplit(context=ContextParallel()))  # type: ignore[arg-type]
+        context_shard(object(), ProcessSplit(context=ContextParallel()))  # type: ignore[arg-type]
     # one process (no torchrun): refused before any training
     with pytest.raises(ValueError, match=r"context_parallel=2 must divide .* got 1"):
         train(cfg, RunOptions(progress=False, context_parallel=2))

@@ -41,6 +41,7 @@ from qkv.train.checkpoint import (
     save_checkpoint,
 )
 from qkv.train.config import TrainConfig, build_optimizer, lr_at
+from qkv.train.context import check_context_parallel, context_shard
 from qkv.train.distributed import (
     DistContext,
     ProcessSplit,
@@ -55,7 +56,7 @@ from qkv.train.task import PAD_ID, Batch, Task, loss_sum
 from qkv.train.tasks import build_task
 
 # loss_sum lives with the Batch protocol it reads; it is re-exported here, where it is used.
-__all__ = ["RunOptions", "TrainResult", "check_context_parallel", "evaluate", "loss_sum", "train"]
+__all__ = ["RunOptions", "TrainResult", "evaluate", "loss_sum", "train"]
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def _update(
         group["lr"] = lr
     local = global_batch.shard(split.data_rank, split.data_parallel)
     if split.context is not None:  # and this rank's shard of each of its rows' sequences
-        local = _context_shard(local, split)
+        local = context_shard(local, split)
     n_global = int((global_batch.targets != PAD_ID).sum())
     total, _ = loss_sum(net, local, cfg.label_smoothing)
     loss = total * (ctx.world_size / n_global)  # DDP averages: see qkv.train.distributed
@@ -312,52 +313,6 @@ def _update(
         nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     return float(all_reduce_sum(total.detach(), ctx)) / n_global
-
-
-def _context_shard(local: Batch, split: ProcessSplit) -> Batch:
-    """``local.context_shard(...)``, or a TypeError naming a batch type that has none."""
-    assert split.context is not None
-    cut = getattr(local, "context_shard", None)
-    if cut is None:
-        raise TypeError(
-            f"context_parallel needs batches with a context_shard(setting) method; "
-            f"{type(local).__name__} has none"
-        )
-    out: Batch = cut(split.context)
-    return out
-
-
-def check_context_parallel(cfg: TrainConfig, opts: RunOptions, world_size: int) -> None:
-    """Refuse, before anything is built, a ``context_parallel`` the run cannot take.
-
-    Raises:
-        ValueError: ``opts.context_parallel`` not dividing ``world_size``; above 1 with
-            ``cfg.dropout > 0`` (attention dropout does not run on a sharded sequence) or
-            ALiBi / relative positions (score biases the context-parallel attention does not
-            take); a ``batch_size`` the data-parallel replicas cannot split evenly.
-    """
-    C = opts.context_parallel
-    if world_size % C != 0:
-        raise ValueError(
-            f"context_parallel={C} must divide the number of processes, got {world_size} "
-            f"(start a multiple of {C} under torchrun, e.g. torchrun --nproc_per_node={C})"
-        )
-    if C > 1 and cfg.dropout > 0:
-        raise ValueError(
-            f"context_parallel={C} needs dropout=0 (attention dropout does not run on a "
-            f"sharded sequence), got dropout={cfg.dropout}"
-        )
-    if C > 1 and cfg.positional in ("alibi", "relative"):
-        raise ValueError(
-            f"context_parallel={C} needs absolute or rotary positions (sinusoidal, learned, "
-            f"rotary, none), got positional={cfg.positional!r}"
-        )
-    replicas = world_size // C
-    if cfg.batch_size % replicas != 0:
-        what = "processes" if C == 1 else f"data-parallel replicas ({world_size} processes / {C})"
-        raise ValueError(
-            f"batch_size={cfg.batch_size} must be divisible by the number of {what} ({replicas})"
-        )
 
 
 def _stop_requested(stop: _StopOnSignal, ctx: DistContext) -> int | None:
@@ -379,7 +334,7 @@ def _train(
     task: Task,
     stop: _StopOnSignal,
 ) -> TrainResult:
-    check_context_parallel(cfg, opts, ctx.world_size)
+    check_context_parallel(cfg, opts.context_parallel, ctx.world_size)
     split = split_processes(ctx, opts.context_parallel, opts.context_layout)
     torch.manual_seed(cfg.seed)
     model_config = task.model_config(cfg)
