@@ -152,7 +152,7 @@ def bench(
         runs["ONNX Runtime (BertModel)"] = functools.partial(session, feeds)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: attention plans read a mask's version counter
         for fn in runs.values():  # warm-up
             fn()
         for _ in range(repeats):
