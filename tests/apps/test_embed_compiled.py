@@ -9,6 +9,7 @@ and checks against the eager path within 1e-5.
 import pytest
 import torch
 
+from qkv.apps.cli import main
 from qkv.apps.embed import SentenceEmbedder
 from qkv.apps.embed_compiled import CompiledEmbedder
 from qkv.apps.pooling import l2_normalize, mean_pool
@@ -109,3 +110,19 @@ def test_sentence_embedder_runs_the_compiled_graph() -> None:
     got, want = embedder.encode(sentences), eager_embedder.encode(sentences)  # [5, D]
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
     assert embedder.compiled.graphs >= 1
+
+
+def test_qkv_embed_compile(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"})
+    )
+    assert main(["embed", "A cat sits.", "A cat sat down.", "--compile"]) == 0
+    compiled = capsys.readouterr().out
+    assert main(["embed", "A cat sits.", "A cat sat down."]) == 0
+    plain = capsys.readouterr().out
+    assert "cosine similarity" in compiled
+    matrix = [line for line in compiled.splitlines() if line.startswith("  [")]
+    assert matrix == [line for line in plain.splitlines() if line.startswith("  [")]
