@@ -8,10 +8,14 @@ what ``qkv embed`` runs: the layers on the real tokens only (``BertEncoder(..., 
 ``ONNX Runtime`` runs the same ``BertModel`` exported with ``torch.onnx.export(dynamo=True)``
 (dynamic batch and length; its output checked against ``BertModel``'s within 1e-4 on the real
 tokens) in an ``InferenceSession`` with all graph optimizations and the same thread count;
-``--no-onnx`` leaves it out.
+``--no-onnx`` leaves it out. ``qkv (compiled)`` is what ``qkv embed --compile`` runs
+(:class:`~qkv.apps.embed_compiled.CompiledEmbedder`: one ``torch.compile`` graph from the packed
+real tokens to the pooled unit embeddings, so it also pools and normalizes, which the others
+do not); its compile time is printed once, and its embeddings are checked against the eager
+path's within 1e-5. ``--no-compile`` leaves it out.
 
     python benchmarks/embed.py --batch 1 32 128 --repeats 15 --threads 2
-    python benchmarks/embed.py --quick   # qkv auto (padded, unpadded) against BertModel sdpa
+    python benchmarks/embed.py --quick   # qkv auto (padded, unpadded, compiled), BertModel sdpa
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch
 import transformers
 
 from qkv.apps.embed import SentenceEmbedder, default_model_dir
+from qkv.apps.embed_compiled import CompiledEmbedder
+from qkv.apps.pooling import l2_normalize, mean_pool
 from qkv.convert import load_bert
 from qkv.functional import BACKENDS
 from qkv.models.bert import BertEncoder
@@ -59,6 +65,7 @@ def main() -> None:
         help="only qkv auto (padded and unpadded) and BertModel sdpa, 7 repeats unless given",
     )
     parser.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out")
+    parser.add_argument("--no-compile", action="store_true", help="leave qkv (compiled) out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 7 if args.quick and "--repeats" not in sys.argv else args.repeats
@@ -73,8 +80,32 @@ def main() -> None:
         for impl in impls
     }
     session = None if args.no_onnx else onnx_session(embedder, refs["sdpa"], args.threads)
+    compiled = None if args.no_compile else compiled_embedder(models["auto"], embedder, args.batch)
     for batch in args.batch:
-        bench(embedder, models, refs, batch, repeats, args.threads, args.quick, session)
+        bench(embedder, models, refs, batch, repeats, args.threads, args.quick, session, compiled)
+
+
+def compiled_embedder(
+    model: BertEncoder, embedder: SentenceEmbedder, batches: list[int]
+) -> CompiledEmbedder:
+    """``model`` compiled for every batch size of the run, its compile time printed.
+
+    Raises:
+        AssertionError: its embeddings are not the eager unpadded path's within 1e-5.
+    """
+    compiled = CompiledEmbedder(model)
+    for batch in batches:
+        ids, mask, types = embedder.tokenize(sentences(batch))
+        with torch.no_grad():
+            got = compiled(ids, mask, types)  # [B, D]
+            want = l2_normalize(mean_pool(model(ids, mask, types, unpad=True), mask))  # [B, D]
+        diff = float((got - want).abs().max())
+        assert diff <= 1e-5, f"compiled embeddings differ from eager by {diff:.2g} at {batch=}"
+    print(
+        f"qkv (compiled): {compiled.graphs} graph(s) compiled in {compiled.compile_seconds:.1f} s "
+        f"(batches {batches}), embeddings within 1e-5 of the eager path"
+    )
+    return compiled
 
 
 def onnx_session(
@@ -126,6 +157,7 @@ def bench(
     threads: int,
     quick: bool,
     session: Callable[[dict[str, object]], object] | None = None,
+    compiled: CompiledEmbedder | None = None,
 ) -> None:
     """Time every contestant on one batch of ``batch`` sentences and print the table."""
     ids, attention_mask, type_ids = embedder.tokenize(sentences(batch))
@@ -138,6 +170,8 @@ def bench(
     runs: dict[str, Callable[[], object]] = {}
     auto = models["auto"]
     runs["qkv (auto, unpad)"] = lambda: auto(ids, attention_mask, type_ids, unpad=True)
+    if compiled is not None:
+        runs["qkv (compiled)"] = functools.partial(compiled, ids, attention_mask, type_ids)
     for backend, model in models.items():
         if not quick or backend == "auto":
             runs[f"qkv ({backend})"] = functools.partial(model, ids, attention_mask, type_ids)
@@ -152,7 +186,7 @@ def bench(
         runs["ONNX Runtime (BertModel)"] = functools.partial(session, feeds)
 
     times: dict[str, list[float]] = {name: [] for name in runs}
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: attention plans read a mask's version counter
         for fn in runs.values():  # warm-up
             fn()
         for _ in range(repeats):

@@ -104,7 +104,9 @@ def _cmd_embed(args: argparse.Namespace) -> int:
     sentences: Iterable[str] = args.sentences or read_lines(args.input)
     total = len(args.sentences) or None
     if args.embeddings or args.top_k is not None:
-        embedder = SentenceEmbedder(args.model, backend=args.backend, batch_size=args.batch_size)
+        embedder = SentenceEmbedder(
+            args.model, backend=args.backend, batch_size=args.batch_size, compile=args.compile
+        )
         if args.embeddings:
             write_embeddings(embedder, sentences, sys.stdout, total)
         else:
@@ -116,7 +118,7 @@ def _cmd_embed(args: argparse.Namespace) -> int:
             f"more than {MAX_MATRIX} sentences: their similarity matrix would be N x N numbers; "
             "print each one's nearest with --top-k K, or the vectors with --embeddings"
         )
-    print(format_embed(embed(items, args.model, backend=args.backend)))
+    print(format_embed(embed(items, args.model, backend=args.backend, compile=args.compile)))
     return 0
 
 

@@ -92,7 +92,7 @@ def add_shapes_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
     """``qkv embed [SENTENCE...] [--input FILE|-] [--top-k K | --embeddings] [--model DIR]
-    [--backend NAME] [--batch-size N]``."""
+    [--backend NAME] [--batch-size N] [--compile]``."""
     p.add_argument("sentences", nargs="*", help="the sentences to embed")
     p.add_argument(
         "-i",
@@ -119,6 +119,11 @@ def add_embed_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--backend", default="auto", choices=BACKENDS, help="attention backend")
     p.add_argument("--batch-size", type=positive, default=32, help="sentences per forward pass")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run one torch.compile graph (faster per call; the first calls compile, ~20-40 s)",
+    )
 
 
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,6 +23,8 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from qkv._checks import check_positive_int
+from qkv.apps.embed_compiled import CompiledEmbedder
+from qkv.apps.pooling import cosine_similarity_matrix, l2_normalize, mean_pool
 from qkv.convert.hf_bert import check_checkpoint_dir, load_bert
 from qkv.convert.hf_files import inside
 from qkv.models.bert import BertConfig
@@ -58,41 +60,6 @@ def default_model_dir() -> Path:
             "or pass a BERT checkpoint directory"
         ) from None
     return Path(str(root / "model"))
-
-
-def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
-    """Average ``hidden`` over the tokens where ``attention_mask`` is 1.
-
-    Args:
-        hidden: ``[B, T, D]`` last hidden states.
-        attention_mask: ``[B, T]``, 1 = token, 0 = padding (Hugging Face sense).
-
-    Returns:
-        ``[B, D]``; a row with no token at all is 0.
-
-    Raises:
-        ValueError: shapes that do not agree.
-    """
-    if hidden.dim() != 3 or tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(
-            f"hidden must be [B, T, D] and attention_mask [B, T]; got {list(hidden.shape)} and "
-            f"{list(attention_mask.shape)}"
-        )
-    keep = attention_mask.to(hidden.dtype)[..., None]  # [B, T, 1]
-    total = (hidden * keep).sum(dim=1)  # [B, D]
-    count = keep.sum(dim=1).clamp(min=1.0)  # [B, 1]
-    return total / count  # [B, D]
-
-
-def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
-    """Scale each row of ``x`` ``[N, D]`` to unit Euclidean length (rows of 0 stay 0)."""
-    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)  # [N, D]
-
-
-def cosine_similarity_matrix(embeddings: Tensor) -> Tensor:
-    """Cosine similarity of every pair of rows: ``[N, D]`` -> ``[N, N]``."""
-    unit = l2_normalize(embeddings)  # [N, D]
-    return unit @ unit.T  # [N, N]
 
 
 def load_tokenizer(model_dir: str | Path, config: BertConfig) -> Tokenizer:
@@ -160,6 +127,9 @@ class SentenceEmbedder:
             ``tokenizer.json``); default :func:`default_model_dir`.
         backend: attention backend of the encoder (one of ``qkv.BACKENDS``).
         batch_size: sentences per forward pass.
+        compile: run a compiled graph (:class:`~qkv.apps.embed_compiled.CompiledEmbedder`:
+            ``torch.compile``, each batch sorted by length into micro-batches) instead of the
+            eager unpadded layers; the first batches pay the compilation (tens of seconds).
 
     Raises:
         FileNotFoundError / ValueError / TypeError: as :func:`qkv.convert.load_bert`, plus a
@@ -167,7 +137,12 @@ class SentenceEmbedder:
     """
 
     def __init__(
-        self, model_dir: str | Path | None = None, *, backend: str = "auto", batch_size: int = 32
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        backend: str = "auto",
+        batch_size: int = 32,
+        compile: bool = False,
     ) -> None:
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.model_dir = check_checkpoint_dir(
@@ -175,6 +150,7 @@ class SentenceEmbedder:
         )
         self.model = load_bert(self.model_dir, backend=backend)
         self.tokenizer = load_tokenizer(self.model_dir, self.model.config)
+        self.compiled = CompiledEmbedder(self.model) if compile else None
 
     @property
     def dim(self) -> int:
@@ -189,7 +165,7 @@ class SentenceEmbedder:
         type_ids = torch.tensor([e.type_ids for e in encodings])  # [B, T]
         return ids, attention_mask, type_ids
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: attention plans read a mask's version counter
     def encode(self, sentences: Sequence[str]) -> Tensor:
         """Embed ``sentences``: ``[N, D]`` float32 rows of unit length.
 
@@ -202,6 +178,9 @@ class SentenceEmbedder:
         chunks = []
         for start in range(0, len(items), self.batch_size):
             ids, attention_mask, type_ids = self.tokenize(items[start : start + self.batch_size])
+            if self.compiled is not None:
+                chunks.append(self.compiled(ids, attention_mask, type_ids))  # [B, D]
+                continue
             ids, attention_mask, type_ids = (t.to(device) for t in (ids, attention_mask, type_ids))
             # unpad: the layers skip the padding; mean pooling reads only real tokens anyway
             hidden = self.model(ids, attention_mask, type_ids, unpad=True)  # [B, T, D]
@@ -218,7 +197,7 @@ class EmbedResult:
         embeddings: ``[N, D]`` unit-length embeddings.
         similarity: ``[N, N]`` cosine similarities.
         seconds: wall time of tokenizing and encoding, after one warm-up pass on the first
-            sentence (loading the model is not included).
+            sentence (two with ``compile``; loading the model and compiling are not included).
         model_dir: the checkpoint used.
     """
 
@@ -235,7 +214,11 @@ class EmbedResult:
 
 
 def embed(
-    sentences: Sequence[str], model_dir: str | Path | None = None, *, backend: str = "auto"
+    sentences: Sequence[str],
+    model_dir: str | Path | None = None,
+    *,
+    backend: str = "auto",
+    compile: bool = False,
 ) -> EmbedResult:
     """Embed ``sentences`` and compare every pair.
 
@@ -243,6 +226,8 @@ def embed(
         sentences: the texts.
         model_dir: a BERT checkpoint directory; default :func:`default_model_dir`.
         backend: attention backend.
+        compile: run the compiled graph (see :class:`SentenceEmbedder`); its compilation is
+            paid in the warm-up, not timed.
 
     Returns:
         An :class:`EmbedResult`.
@@ -252,8 +237,10 @@ def embed(
             :meth:`SentenceEmbedder.encode`.
     """
     items = _check_sentences(sentences)
-    embedder = SentenceEmbedder(model_dir, backend=backend)
+    embedder = SentenceEmbedder(model_dir, backend=backend, compile=compile)
     embedder.encode(items[:1])  # warm-up: the first forward pays one-time setup costs
+    if compile and len(items) > 1:
+        embedder.encode(items[:2])  # one sentence compiles a graph of its own; more, another
     start = time.perf_counter()
     embeddings = embedder.encode(items)  # [N, D]
     seconds = time.perf_counter() - start

@@ -20,7 +20,7 @@ D model width, H heads, Hkv key/value heads, Dh head width.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from qkv.models.packing import Packing, plan_packing
 from qkv.nn.layers import EncoderLayer
 from qkv.nn.multihead import MultiHeadAttention
 
-__all__ = ["encode_unpadded", "runs_unpadded"]
+__all__ = ["encode_unpadded", "layer_on_rows", "runs_unpadded"]
 
 BIAS_BACKENDS = ("auto", "fused")
 """Backends that get the grid's padding keys as a float bias: one batched SDPA call, which they do
@@ -76,7 +76,7 @@ def encode_unpadded(layers: Sequence[EncoderLayer], x: Tensor, is_pad: Tensor) -
     rows = plan.pack(x)  # [N, D]
     for layer in layers:
         attend = _GridAttention(layer.self_attn, plan, blocked, bias)
-        rows = _layer_on_rows(layer, rows, attend)  # [N, D]
+        rows = layer_on_rows(layer, rows, attend)  # [N, D]
     return plan.unpack(rows)  # [B, T, D], zeros at padding
 
 
@@ -118,8 +118,20 @@ class _GridAttention:
         return self.plan.from_grid(grid)  # [N, D]
 
 
-def _layer_on_rows(layer: EncoderLayer, x: Tensor, attend: _GridAttention) -> Tensor:
-    """:meth:`EncoderLayer.forward` on ``[N, D]`` rows, attention through ``attend``."""
+def layer_on_rows(
+    layer: EncoderLayer, x: Tensor, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
+) -> Tensor:
+    """:meth:`EncoderLayer.forward` on ``[N, D]`` rows, attention through ``attend``.
+
+    Args:
+        layer: an encoder layer for which :func:`runs_unpadded` holds.
+        x: ``[N, D]`` rows.
+        attend: the attention core: projected ``q, k, v`` rows ``[N, *]`` -> ``[N, D]``, before
+            the output projection (the rows' own sentences are its business).
+
+    Returns:
+        ``[N, D]``.
+    """
     attn = layer.self_attn
 
     def self_block(h: Tensor) -> Tensor:

@@ -1,0 +1,193 @@
+"""Sentence embeddings through one compiled graph: ids to unit vectors, no Python per op.
+
+:class:`CompiledEmbedder` runs a :class:`~qkv.models.bert.BertEncoder` with ``torch.compile``
+(inductor) on the real tokens only, as the eager ``unpad=True`` path does (see
+:mod:`qkv.models.unpadded`): the tokens of a batch are packed into ``[N, D]`` rows on the host
+(ids, positions, where each row sits in the ``[B, T']`` attention grid), and one graph runs the
+embeddings, every layer's submodules on the rows (attention on the grid, the padding keys as a
+float bias), mean pooling and L2 normalization. It is compiled with dynamic shapes, so new batch
+sizes and lengths reuse it (a batch of one sentence gets a graph of its own: dynamo specializes
+sizes of 1). The eager path's checks run once per batch on the host ids, not in the graph.
+
+Shapes: B batch, T padded length, N real tokens, T' longest sentence, D embedding width,
+H heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+from torch._dynamo.utils import counters
+
+from qkv.apps.pooling import l2_normalize
+from qkv.functional import attention
+from qkv.models.bert import BertEncoder
+from qkv.models.unpadded import layer_on_rows, runs_unpadded
+from qkv.nn.multihead import MultiHeadAttention
+
+__all__ = ["CompiledEmbedder"]
+
+
+class CompiledEmbedder:
+    """``model``'s mean-pooled, unit-length sentence embeddings through ``torch.compile``.
+
+    Args:
+        model: the encoder, in eval mode, its layers plain (:func:`runs_unpadded`); its
+            weights are read at each call (not copied).
+        compiler: the ``torch.compile`` backend (``"eager"`` traces without generating code:
+            quick, for tests).
+
+    Attributes:
+        graphs: graphs compiled so far (each is paid once: see :attr:`compile_seconds`).
+        compile_seconds: wall time of the calls that compiled a graph.
+
+    Raises:
+        TypeError: a ``model`` that is not a :class:`BertEncoder`.
+        ValueError: a layer that the packed rows would not reproduce (hooks, recorded weights).
+    """
+
+    def __init__(self, model: BertEncoder, *, compiler: str = "inductor") -> None:
+        if not isinstance(model, BertEncoder):
+            raise TypeError(f"model must be a BertEncoder, got {type(model).__name__}")
+        if not all(runs_unpadded(layer) for layer in model._layers()):
+            raise ValueError("model has hooks or records attention weights; compile without them")
+        self.model = model
+        self.graphs = 0
+        self.compile_seconds = 0.0
+        self._compiled = torch.compile(self._pooled, backend=compiler, dynamic=True, fullgraph=True)
+
+    def _pooled(
+        self, rows: tuple[Tensor, Tensor, Tensor], grid_index: Tensor, bias: Tensor
+    ) -> Tensor:
+        """The graph: packed ``(ids, positions, types)`` ``[N]`` each, each row's flat place in
+        the grid ``[N]`` and the grid's padding bias ``[B, 1, 1, T']`` -> ``[B, D]``."""
+        emb = self.model.embeddings
+        ids, positions, types = rows
+        x = emb.word_embeddings(ids) + emb.position_embeddings(positions)  # [N, D]
+        x = emb.dropout(emb.norm(x + emb.token_type_embeddings(types)))  # [N, D]
+        grid = _Grid(grid_index, bias)
+        for layer in self.model._layers():
+            x = layer_on_rows(layer, x, grid.attend_with(layer.self_attn))  # [N, D]
+        lengths = (bias == 0).sum(dim=-1).view(-1, 1)  # [B, 1]
+        return l2_normalize(grid.place(x).sum(dim=1) / lengths)  # [B, D]
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor) -> Tensor:
+        """Embed one tokenized batch.
+
+        Args:
+            input_ids: ``[B, T]`` int64 ids, padded on the right.
+            attention_mask: ``[B, T]``, 1 = token, 0 = padding.
+            token_type_ids: ``[B, T]`` segment ids.
+
+        Returns:
+            ``[B, D]`` unit-length embeddings (0 for a sentence without any token), on the
+            model's device.
+
+        Raises:
+            ValueError: tensors of other shapes, a mask that is not 1s then 0s, ids outside
+                the vocabulary or the token types, a batch longer than
+                ``max_position_embeddings``.
+            RuntimeError: the model is in training mode.
+        """
+        if self.model.training:
+            raise RuntimeError("CompiledEmbedder is for inference: call model.eval() first")
+        self._check(input_ids, attention_mask, token_type_ids)
+        device = next(self.model.parameters()).device
+        out = torch.zeros(input_ids.shape[0], self.model.config.hidden_size, device=device)
+        lengths = attention_mask.sum(dim=1)  # [B]
+        live = lengths > 0  # [B]: sentences with a token
+        if not bool(live.any()):
+            return out  # [B, D]
+        keep = attention_mask[live, : int(lengths.max())].bool()  # [B', T']
+        real = keep.nonzero(as_tuple=True)  # [N] each: sentence, position
+        positions = real[1]  # [N]
+        grid_index = real[0] * keep.shape[1] + positions  # [N]
+        bias = torch.zeros(keep.shape).masked_fill(~keep, -torch.inf)[:, None, None, :]
+        ids, types = input_ids[live][real], token_type_ids[live][real]  # [N] each
+        packed = (ids.to(device), positions.to(device), types.to(device))
+        out[live.to(device)] = self._run(packed, grid_index.to(device), bias.to(device))
+        return out  # [B, D]
+
+    def _run(self, rows: tuple[Tensor, Tensor, Tensor], grid_index: Tensor, bias: Tensor) -> Tensor:
+        """The compiled graph, counting the graphs it compiles and their time."""
+        before = counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        pooled = self._compiled(rows, grid_index, bias)  # [B', D]
+        if counters["stats"]["unique_graphs"] != before:
+            self.graphs += counters["stats"]["unique_graphs"] - before
+            self.compile_seconds += time.perf_counter() - start
+        return pooled
+
+    def _check(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor) -> None:
+        """The eager path's value checks, on the host ids, once per batch (see ``__call__``)."""
+        cfg = self.model.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if t.shape != input_ids.shape:
+                raise ValueError(
+                    f"{name} must be [B, T] = {list(input_ids.shape)}, got {list(t.shape)}"
+                )
+        if input_ids.shape[1] > cfg.max_position_embeddings:
+            raise ValueError(
+                f"input_ids has T={input_ids.shape[1]} tokens but max_position_embeddings="
+                f"{cfg.max_position_embeddings}; truncate the input"
+            )
+        lengths = attention_mask.sum(dim=1, keepdim=True)  # [B, 1]
+        if not torch.equal(attention_mask, torch.arange(input_ids.shape[1]) < lengths):
+            raise ValueError("attention_mask must be 1s then 0s (padding on the right)")
+        for name, t, size in (
+            ("input_ids", input_ids, cfg.vocab_size),
+            ("token_type_ids", token_type_ids, cfg.type_vocab_size),
+        ):
+            if t.numel() and not (int(t.min()) >= 0 and int(t.max()) < size):
+                raise ValueError(f"{name} must lie in [0, {size}), got [{t.min()}, {t.max()}]")
+
+
+class _Grid:
+    """Packed rows ``[N, C]`` to and from the ``[B, T', C]`` attention grid, and attention there.
+
+    Args:
+        grid_index: int64 ``[N]``, each row's flat place ``b * T' + t`` in the grid.
+        bias: ``[B, 1, 1, T']`` float, ``-inf`` at the grid's padding keys.
+    """
+
+    def __init__(self, grid_index: Tensor, bias: Tensor) -> None:
+        self.grid_index, self.bias = grid_index, bias
+        self.B, self.T = bias.shape[0], bias.shape[-1]
+
+    def place(self, rows: Tensor) -> Tensor:
+        """``[N, C]`` -> ``[B, T', C]``, zeros at padding."""
+        C = rows.shape[-1]
+        flat = rows.new_zeros(self.B * self.T, C)  # [B * T', C]
+        return flat.index_copy(0, self.grid_index, rows).view(self.B, self.T, C)  # [B, T', C]
+
+    def attend_with(self, attn: MultiHeadAttention) -> _Attend:
+        """The attention core of ``attn`` on this grid, for :func:`layer_on_rows`."""
+        return _Attend(self, attn)
+
+
+class _Attend:
+    """``q, k, v`` rows ``[N, *]`` -> ``[N, D]``: ``attn``'s heads attend on the grid."""
+
+    def __init__(self, grid: _Grid, attn: MultiHeadAttention) -> None:
+        self.grid, self.attn = grid, attn
+
+    def _heads(self, rows: Tensor, heads: int) -> Tensor:
+        g = self.grid.place(rows)  # [B, T', heads * Dh]
+        return g.view(g.shape[0], g.shape[1], heads, self.attn.head_dim).transpose(1, 2)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        attn = self.attn
+        out, _ = attention(
+            self._heads(q, attn.num_heads),
+            self._heads(k, attn.num_kv_heads),
+            self._heads(v, attn.num_kv_heads),
+            attn_bias=self.grid.bias,
+            scale=attn.scale,
+            backend=attn.backend,
+        )  # [B, H, T', Dh]
+        flat = out.transpose(1, 2).reshape(-1, attn.embed_dim)  # [B * T', D]
+        return flat.index_select(0, self.grid.grid_index)  # [N, D]
