@@ -159,3 +159,33 @@ def test_a_transformer_reads_each_padding_once_whatever_its_depth(layers: int) -
     assert encode.syncs == ["aten._to_copy.default"]
     assert decode.syncs == ["aten._to_copy.default"] * 2  # the cross- and the self-attention
     assert forward.syncs == encode.syncs + decode.syncs
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused", "blockwise", "auto"])
+def test_inference_mode_masks_have_no_version_and_still_work(backend: str) -> None:
+    # Tensors made under torch.inference_mode have no version counter; the plan's mask token
+    # reads it, which raised "Inference tensors do not track version counter".
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4) for _ in range(3))
+    with torch.no_grad():
+        mask = torch.zeros(5, 5, dtype=torch.bool)
+        mask[:, 3:] = True
+        want, _ = qkv.attention(q, k, v, mask=mask, backend=backend)
+    with torch.inference_mode():
+        inference_mask = mask.clone()
+        got, _ = qkv.attention(q, k, v, mask=inference_mask, backend=backend)
+    assert inference_mask.is_inference()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a_padded_forward_in_inference_mode_equals_no_grad() -> None:
+    torch.manual_seed(0)
+    cfg = qkv.DecoderOnlyConfig(vocab_size=20, d_model=16, num_heads=2, num_layers=2, pad_id=0)
+    model = qkv.DecoderOnlyLM(cfg).eval()
+    ids = torch.randint(1, 20, (2, 7))
+    ids[1, :3] = 0  # left padding: the forward builds its padding mask inside inference mode
+    with torch.no_grad():
+        want = model(ids)
+    with torch.inference_mode():
+        got = model(ids)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

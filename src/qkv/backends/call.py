@@ -88,7 +88,10 @@ def mask_token(mask: Tensor | StructuredMask | None) -> tuple[object, ...] | Non
     if mask is None:
         return None
     if isinstance(mask, Tensor) and not torch.compiler.is_compiling():
-        v = mask._version
+        # An inference tensor (made under torch.inference_mode) has no version counter: plans
+        # are shared within one forward (share_plans), which builds its masks once and never
+        # writes them in place.
+        v = -1 if mask.is_inference() else mask._version
         return ("tensor", mask.data_ptr(), tuple(mask.shape), mask.stride(), v, mask.device)
     return ("rule", id(mask))
 
