@@ -117,3 +117,105 @@ def test_misuse_is_refused() -> None:
         alibi.generate(torch.ones(1, 3, dtype=torch.long), 2, compile=True)
     with pytest.raises(TypeError, match="compile"):
         model.generate(torch.ones(1, 3, dtype=torch.long), 2, compile=1)  # type: ignore[arg-type]
+
+
+def test_fingerprint_moves_with_every_kind_of_weight_change() -> None:
+    model = _model("gpt2")
+    ids, pad = _prompts()
+    first = next(model.parameters())
+    before = static_decode.fingerprint(model)
+    model(ids, pad)  # (the tests of this folder run without grad)
+    assert static_decode.fingerprint(model) == before  # a forward pass writes nothing
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torch.enable_grad():
+        model(ids, pad).sum().backward()
+
+    def in_place() -> None:
+        with torch.no_grad():
+            first.add_(0.0)
+
+    def new_storage() -> None:
+        first.data = first.data.clone()
+
+    seen = {before}
+    reload = lambda: model.load_state_dict(model.state_dict())  # noqa: E731
+    for change in (in_place, reload, new_storage, opt.step):
+        change()
+        now = static_decode.fingerprint(model)
+        assert now not in seen, change
+        seen.add(now)
+
+
+def test_cpu_step_is_shared_until_the_weights_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    model, other = _model("gpt2"), _model("llama")
+    cpu = torch.device("cpu")
+    step = static_decode.compiled_step(model, cpu, 2)
+    assert static_decode.compiled_step(model, cpu, 2) is step
+    assert static_decode.compiled_step(other, cpu, 2) is not step
+    copies = static_decode._RELAID
+    static_decode.compiled_step(model, cpu, 1)
+    relaid = copies[model][1]
+    static_decode.compiled_step(model, cpu, 1)
+    assert copies[model][1] is relaid  # the same weights: the same copies
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert static_decode.compiled_step(model, cpu, 2) is not step
+    static_decode.compiled_step(model, cpu, 1)
+    assert copies[model][1] is not relaid
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module, got object"):
+        static_decode.compiled_step(object(), cpu, 2)  # type: ignore[arg-type]
+
+
+def test_column_major_copies_hold_every_linear_weight_tied_head_included() -> None:
+    model = _model("gpt2")
+    weights = static_decode.column_major_weights(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    params = dict(model.named_parameters())
+    assert len(weights) == len({id(m.weight) for m in linears}) > 0
+    for name, w in weights.items():
+        N = params[name].shape[0]
+        assert torch.equal(w, params[name]) and w.stride() == (1, N)
+        assert w.data_ptr() != params[name].data_ptr()
+
+
+def test_one_row_compiled_step_runs_on_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B=1 with dynamo's eager backend: the tokens of the eager path; copies that differ from
+    the weights change the logits (so the step reads them); a weight change makes new copies."""
+    compile_ = torch.compile
+    monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    model = _model("llama")
+    ids = _prompts()[0][:1]  # [1, T0]
+    assert torch.equal(
+        model.generate(ids, 8, greedy=True, compile=True), model.generate(ids, 8, greedy=True)
+    )
+    decoder = static_decode.StaticDecoder(model, 1, 64, compile=True)
+    decoder.prefill(ids, None)
+    want = decoder.step(ids[:, -1], ids.shape[1])  # [1, V]
+    for w in static_decode._RELAID[model][1].values():
+        w.mul_(2.0)
+    decoder.prefill(ids, None)
+    assert not torch.allclose(decoder.step(ids[:, -1], ids.shape[1]), want)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    assert torch.equal(
+        model.generate(ids, 8, greedy=True, compile=True), model.generate(ids, 8, greedy=True)
+    )
+
+
+def test_frozen_inductor_step_follows_weight_changes() -> None:
+    """The real thing (inductor, weights frozen into the graph: ~10 s here): after an in-place
+    change of every weight, compile=True decodes with the new weights, as the eager path does."""
+    model = _model("gpt2")
+    ids, pad = _prompts()
+    first = model.generate(ids, 4, padding_mask=pad, greedy=True, compile=True)
+    assert torch.equal(first, model.generate(ids, 4, padding_mask=pad, greedy=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    again = model.generate(ids, 4, padding_mask=pad, greedy=True, compile=True)
+    assert torch.equal(again, model.generate(ids, 4, padding_mask=pad, greedy=True))
+    assert not torch.equal(again, first)
