@@ -116,7 +116,7 @@ def test_bad_directories_and_prompts_are_one_line_errors(
         (str(other), "1 2"): "its config.json has neither 'format'",
         (str(llama), "1 two 3"): "space-separated token ids in [0, 48)",
         (str(llama), f"1 {V}"): f"(bad: {V})",
-        (str(llama), "1 2", "--beam", "2"): "--beam 2: a Hugging Face decoder",
+        (str(llama), "1 2", "--beam", "2", "--top-k", "3"): "got top_k=3",
     }
     for argv, message in cases.items():
         assert main(["generate", *argv]) == 2, argv
@@ -166,3 +166,56 @@ def test_decoding_flags_match_transformers_and_stream(
     assert "only shape sampling" in capsys.readouterr().err
     assert main(["generate", str(tmp_path), prompt, "--eos-id", str(V)]) == 2
     assert f"eos_id must lie in [0, vocab_size={V})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_beam_search_matches_transformers(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = MODELS[kind]()
+    tok = _save(ref, tmp_path, tokenizer=True)
+    assert tok is not None
+    prompt = {"gpt2": "w13 w27 w28 w3 w38", "llama": "w35 w22 w42 w4 w40"}[kind]
+    ids = tok.encode(prompt).ids
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=NEW, num_beams=3, do_sample=False)
+    want = out[0, len(ids) :].tolist()
+    assert want != _hf_greedy(ref, ids)  # beams and greedy differ here: the test tells them apart
+    model, loaded = load_hf_decoder(tmp_path)
+    pieces: list[str] = []
+    gen = generate_hf(model, loaded, prompt, beam_size=3, max_new_tokens=NEW, on_text=pieces.append)
+    assert gen.ids == want and "".join(pieces) == gen.text == tok.decode(want)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path), prompt, "--beam", "3", "--max-new-tokens", "12"]) == 0
+    out_lines = capsys.readouterr().out.splitlines()
+    assert out_lines[0] == tok.decode(want)
+    assert "beam 3, KV cache, printed at the end" in out_lines[1]
+    for flags, named in (
+        (["--sample"], "greedy=False"),
+        (["--repetition-penalty", "1.3"], "repetition_penalty=1.3"),
+        (["--compile"], "compile=True"),
+    ):
+        assert main(["generate", str(tmp_path), prompt, "--beam", "2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "beam_size=2 decodes greedily and takes max_new_tokens and eos_ids only" in err
+        assert named in err, err
+
+
+def test_compile_flag_decodes_on_the_compiled_static_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--compile`` with dynamo's eager backend (inductor's code generation is what
+    benchmarks/decode.py times): the same tokens as transformers, the step compiled once."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    torch._dynamo.utils.counters.clear()
+    ref = _llama()
+    _save(ref, tmp_path, tokenizer=False)
+    ids = [7, 30, 2, 44, 11, 19]
+    expected = _hf_greedy(ref, ids)
+    argv = ["generate", str(tmp_path), " ".join(map(str, ids)), "--max-new-tokens", str(NEW)]
+    assert main([*argv, "--compile"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == " ".join(map(str, expected))
+    assert "static KV cache, compiled step" in out[1] and "compiled the step" in out[1]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # warm-up and timed run

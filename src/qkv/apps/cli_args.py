@@ -222,7 +222,19 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "the prompt text, encoded with its tokenizer.json, or space-separated token ids when it "
         'has none ("1 15 7")',
     )
-    p.add_argument("--beam", type=positive, default=1, help="beam width (1: greedy)")
+    p.add_argument(
+        "--beam",
+        type=positive,
+        default=1,
+        help="beam width (1: greedy; a Hugging Face directory: with --max-new-tokens and "
+        "--eos-id only)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="Hugging Face directory: decode on a static KV cache with the step compiled "
+        "(torch.compile; the untimed warm-up run pays the compilation, tens of seconds on a CPU)",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=positive,

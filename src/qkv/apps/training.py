@@ -136,17 +136,18 @@ def _generate_qkv(args: argparse.Namespace) -> Generation:
 
 
 def _generate_hf(args: argparse.Namespace) -> Generation:
-    """Decode once with 2 new tokens (the one-off first-call costs, unprinted), then stream the
-    real run to the terminal as its tokens come, timed."""
-    if args.beam != 1:
-        raise ValueError(
-            f"--beam {args.beam}: a Hugging Face decoder decodes greedily or by sampling"
-        )
+    """Decode once unprinted (the one-off first-call costs: 2 new tokens, or all of them with
+    ``--compile``, whose step is compiled for the cache's capacity), then the timed run: its
+    tokens streamed to the terminal as they come (beam search: its text at the end)."""
     model, tokenizer = load_hf_decoder(args.checkpoint)
     sampling = _sampling(args)
-    warm: SamplingKwargs = {**sampling, "max_new_tokens": 2, "min_new_tokens": 0}
-    generate_hf(model, tokenizer, args.input, **warm)
-    gen = generate_hf(model, tokenizer, args.input, on_text=_print_piece, **sampling)
+    how = {"beam_size": args.beam, "compile": args.compile}
+    # the compiled step is specialised to the cache capacity: warm it up at the real length
+    warm: SamplingKwargs = {**sampling, "min_new_tokens": 0}
+    if not args.compile:
+        warm["max_new_tokens"] = 2
+    generate_hf(model, tokenizer, args.input, **how, **warm)
+    gen = generate_hf(model, tokenizer, args.input, on_text=_print_piece, **how, **sampling)
     print()
     return gen
 
@@ -159,13 +160,26 @@ def run_generate(args: argparse.Namespace) -> int:
     hf = checkpoint_kind(args.checkpoint) == "hf"
     if hf:
         gen = _generate_hf(args)  # streamed as it came
+    elif args.compile:
+        raise ValueError(
+            "--compile decodes a Hugging Face decoder directory (a static KV cache); "
+            f"{args.checkpoint!r} is a qkv checkpoint"
+        )
     else:
         gen = _generate_qkv(args)
         print(gen.text)
     mode = f"beam {args.beam}" if args.beam > 1 else ("sampled" if args.sample else "greedy")
-    how = "streamed, timed after a 2-token warm-up run" if hf else "timed after a warm-up run"
+    cache = "static KV cache, compiled step" if args.compile else "KV cache"
+    if not hf:
+        how = "timed after a warm-up run"
+    elif args.compile:
+        how = "streamed, timed after a warm-up run of the same length that compiled the step"
+    elif args.beam > 1:
+        how = "printed at the end, timed after a 2-token warm-up run"
+    else:
+        how = "streamed, timed after a 2-token warm-up run"
     print(
         f"{len(gen.ids)} tokens in {gen.seconds * 1e3:.1f} ms ({gen.tokens_per_s:,.0f} tokens/s,"
-        f" {mode}, KV cache, {how})"
+        f" {mode}, {cache}, {how})"
     )
     return 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal, Unpack
+from typing import Any, Literal, Unpack
 
 import torch
 from tokenizers import Tokenizer
@@ -199,6 +199,8 @@ def generate_hf(
     prompt: str,
     *,
     on_text: Callable[[str], object] | None = None,
+    beam_size: int = 1,
+    compile: bool = False,
     **options: Unpack[SamplingKwargs],
 ) -> Generation:
     """Continue ``prompt`` with a model from :func:`load_hf_decoder`, KV-cached, and time it.
@@ -209,7 +211,12 @@ def generate_hf(
             token ids and the output is printed as ids.
         prompt: text, or ids (see ``tokenizer``).
         on_text: called with each new piece of the output text as soon as its tokens are
-            generated (streaming); the pieces join to :attr:`Generation.text`.
+            generated (streaming); the pieces join to :attr:`Generation.text`. Beam search
+            knows its text only at the end: one call with all of it.
+        beam_size: K > 1: beam search (greedy options only: ``max_new_tokens`` and
+            ``eos_ids``; see :meth:`DecoderOnlyLM.generate`).
+        compile: decode on a static KV cache with the step compiled (``torch.compile``; the
+            first call with a new batch size or cache capacity pays the compilation).
         **options: the fields of :class:`~qkv.train.task.DecodeOptions` but ``beam_size``.
             ``max_new_tokens`` default: :data:`HF_DEFAULT_NEW_TOKENS`, at most what fits in the
             model's ``max_positions``; generation stops after the config's ``eos_token_id``
@@ -220,10 +227,12 @@ def generate_hf(
 
     Raises:
         ValueError: an empty prompt, ids outside the vocabulary (no tokenizer), a prompt that
-            leaves no room in ``max_positions``; see :meth:`DecoderOnlyLM.generate`.
+            leaves no room in ``max_positions``, beam search with a sampling option or with
+            ``compile``; see :meth:`DecoderOnlyLM.generate`.
     """
     c = model.config
-    decode = DecodeOptions(**options)
+    decode = DecodeOptions(beam_size=beam_size, **options)
+    kwargs = _hf_generate_kwargs(decode, compile)
     ids = _prompt_ids(prompt, tokenizer, c.vocab_size)
     n = decode.max_new_tokens
     if n is None:
@@ -235,18 +244,42 @@ def generate_hf(
     pieces = _TextPieces(tokenizer, on_text)
     prompt_ids = torch.tensor([ids])  # [1, P]
     t0 = time.perf_counter()
+    stream = on_text is not None and beam_size == 1
     with torch.no_grad():
         out = model.generate(
             prompt_ids,
             n,
             padding_mask=torch.zeros_like(prompt_ids, dtype=torch.bool),  # no padding
-            streamer=pieces.add if on_text is not None else None,
-            **decode.text_kwargs(),
+            streamer=pieces.add if stream else None,
+            **kwargs,
         )  # [1, P + n']
-    pieces.flush()
     seconds = time.perf_counter() - t0
     new = [int(i) for i in out[0, len(ids) :].tolist()]
+    if on_text is not None and not stream:  # beam search: the best hypothesis, at the end
+        pieces.ids.extend(new)
+    pieces.flush()
     return Generation.timed(_decode(tokenizer, new), new, seconds)
+
+
+def _hf_generate_kwargs(decode: DecodeOptions, compile: bool) -> dict[str, Any]:
+    """:meth:`DecoderOnlyLM.generate`'s keywords for ``decode`` (sampling or greedy options;
+    beam search: the stop ids only, the other options refused by name)."""
+    if decode.beam_size == 1:
+        return {**decode.text_kwargs(), "compile": compile}
+    default = DecodeOptions(beam_size=decode.beam_size, max_new_tokens=decode.max_new_tokens)
+    given = [
+        f"{f.name}={getattr(decode, f.name)!r}"
+        for f in fields(DecodeOptions)
+        if f.name not in ("seed", "eos_ids") and getattr(decode, f.name) != getattr(default, f.name)
+    ]
+    given += ["compile=True"] if compile else []
+    if given:
+        raise ValueError(
+            f"beam_size={decode.beam_size} decodes greedily and takes max_new_tokens and eos_ids "
+            f"only; got {', '.join(given)}"
+        )
+    stops = {} if decode.eos_ids is None else {"eos_id": list(decode.eos_ids)}
+    return {"beam_size": decode.beam_size, **stops}
 
 
 def _decode(tokenizer: Tokenizer | None, ids: list[int]) -> str:
