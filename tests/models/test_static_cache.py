@@ -157,6 +157,7 @@ def test_cpu_step_is_shared_until_the_weights_change(monkeypatch: pytest.MonkeyP
     copies = static_decode._RELAID
     static_decode.compiled_step(model, cpu, 1)
     relaid = copies[model][1]
+    assert set(relaid) == {f"model.{n}" for n in static_decode.column_major_weights(model)}
     static_decode.compiled_step(model, cpu, 1)
     assert copies[model][1] is relaid  # the same weights: the same copies
     with torch.no_grad():

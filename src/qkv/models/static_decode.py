@@ -37,6 +37,7 @@ import types
 import weakref
 from collections.abc import Callable
 from itertools import chain
+from typing import cast
 
 import torch
 import torch._inductor.config as inductor_config
@@ -98,8 +99,12 @@ class _Forward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids: Tensor, cache: StaticKVCache, position: Tensor) -> Tensor:
-        return _step(self.model, ids, cache, position)  # type: ignore[arg-type]
+    def forward(
+        self, ids: Tensor, cache: StaticKVCache, position: Tensor, logits_to_keep: int = 0
+    ) -> Tensor:
+        """``[B, T]`` tokens at slots ``position`` -> the last column's logits ``[B, V]``."""
+        model = cast(DecoderOnlyModel, self.model)
+        return model.forward_static(ids, cache, position, logits_to_keep=logits_to_keep)[:, -1]
 
 
 def _relaid_step(
@@ -112,7 +117,19 @@ def _relaid_step(
 _RELAID: weakref.WeakKeyDictionary[nn.Module, tuple[Fingerprint, dict[str, Tensor]]] = (
     weakref.WeakKeyDictionary()
 )
-"""Per model: the fingerprint of its tensors and its column-major Linear weights (CPU, B=1)."""
+"""Per model: the fingerprint of its tensors and its column-major Linear weights (CPU, B=1),
+named as :class:`_Forward` names them."""
+
+
+def relaid_weights(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s :func:`column_major_weights` as :class:`_Forward` names them, made anew only
+    when the model's :func:`fingerprint` changed since the last call."""
+    now = fingerprint(model)
+    known = _RELAID.get(model)
+    if known is None or known[0] != now:
+        copies = {f"model.{name}": w for name, w in column_major_weights(model).items()}
+        _RELAID[model] = known = (now, copies)
+    return known[1]
 
 
 def column_major_weights(model: nn.Module) -> dict[str, Tensor]:
@@ -147,16 +164,12 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
         return _COMPILED["cuda"]
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    now = fingerprint(model)
     if batch_size == 1:
-        relaid = _RELAID.get(model)
-        if relaid is None or relaid[0] != now:
-            _RELAID[model] = relaid = (now, column_major_weights(model))
         if "cpu" not in _COMPILED:
             _COMPILED["cpu"] = torch.compile(_relaid_step, fullgraph=True, dynamic=False)
-        run, wrapper = _COMPILED["cpu"], _Forward(model)
-        weights = {f"model.{name}": w for name, w in relaid[1].items()}
+        run, wrapper, weights = _COMPILED["cpu"], _Forward(model), relaid_weights(model)
         return lambda _, ids, cache, pos: run(wrapper, weights, ids, cache, pos)
+    now = fingerprint(model)
     known = _FROZEN.get(model)
     if known is None or known[0] != now:
         step = _frozen(torch.compile(_fresh_step(), fullgraph=True, dynamic=False))
@@ -188,6 +201,9 @@ class StaticDecoder:
         self.cache = model.new_static_cache(batch_size, capacity)
         device = self.cache.padding.device
         self._step: Step = compiled_step(model, device, batch_size) if compile else _step
+        # one row on the CPU: the prompt too reads the column-major copies the step reads
+        relaid = compile and device.type == "cpu" and batch_size == 1
+        self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
 
     def prefill(self, ids: Tensor, is_pad: Tensor | None) -> Tensor:
         """Run the ``[B, T0]`` prompt (eagerly) into the cache.
@@ -197,6 +213,10 @@ class StaticDecoder:
         """
         self.cache.start(is_pad)
         slots = torch.arange(ids.shape[1], device=ids.device)  # [T0]
+        if self._prefill_weights is not None:
+            forward = _Forward(self.model)  # type: ignore[arg-type]
+            args = (ids, self.cache, slots, 1)
+            return torch.func.functional_call(forward, self._prefill_weights, args)  # [B, V]
         return self.model.forward_static(ids, self.cache, slots, logits_to_keep=1)[:, -1]  # [B, V]
 
     def step(self, tokens: Tensor, slot: int) -> Tensor:
