@@ -4,9 +4,11 @@ over 256 steps with no graph break and no recompile, and the misuses it refuses.
 
 import pytest
 import torch
+from torch.func import functional_call
 
 import qkv.models.static_decode as static_decode
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
+from qkv.nn import MultiHeadAttention
 from qkv.nn.static_kv_cache import StaticKVCache
 
 V = 97
@@ -76,9 +78,13 @@ def test_forward_static_logits_match_forward(kind: str) -> None:
     torch.testing.assert_close(last, want[:, -2:], atol=1e-5, rtol=1.3e-6)
 
 
-def test_compiled_step_is_one_graph_over_256_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rows", [3, 1])
+def test_compiled_step_is_one_graph_over_256_steps(
+    monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
     """Dynamo's view (fullgraph, guards, recompiles) with its eager backend: inductor's code
-    generation (tens of seconds on this CPU) is what benchmarks/decode.py times."""
+    generation (tens of seconds on this CPU) is what benchmarks/decode.py times. One row runs on
+    the relaid copies (packed projections set on the modules inside the graph)."""
     compile_ = torch.compile
     monkeypatch.setattr(static_decode, "_COMPILED", {})
     monkeypatch.setattr(
@@ -88,12 +94,13 @@ def test_compiled_step_is_one_graph_over_256_steps(monkeypatch: pytest.MonkeyPat
     torch._dynamo.utils.counters.clear()
     model = _model("llama", max_positions=512)
     ids, pad = _prompts()
+    ids, pad = ids[:rows], pad[:rows]  # [rows, T0]; row 0 has no padding
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = model.generate(ids, 256, padding_mask=pad, greedy=True, compile=True)
         shorter = model.generate(ids[:, 2:], 256, padding_mask=pad[:, 2:], compile=True)
-    assert got.shape == (3, 263)
+    assert got.shape == (rows, 263)
     assert torch.equal(got[:, :27], model.generate(ids, 20, padding_mask=pad, greedy=True))
-    assert shorter.shape == (3, 261)  # another prompt length, the same capacity: no recompile
+    assert shorter.shape == (rows, 261)  # another prompt length, the same capacity: no recompile
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
@@ -157,7 +164,9 @@ def test_cpu_step_is_shared_until_the_weights_change(monkeypatch: pytest.MonkeyP
     copies = static_decode._RELAID
     static_decode.compiled_step(model, cpu, 1)
     relaid = copies[model][1]
-    assert set(relaid) == {f"model.{n}" for n in static_decode.column_major_weights(model)}
+    fused, covered = static_decode.fused_qkv_weights(model)
+    plain = static_decode.column_major_weights(model, skip=covered)
+    assert set(relaid) == {f"model.{n}" for n in [*plain, *fused]}
     static_decode.compiled_step(model, cpu, 1)
     assert copies[model][1] is relaid  # the same weights: the same copies
     with torch.no_grad():
@@ -179,6 +188,47 @@ def test_column_major_copies_hold_every_linear_weight_tied_head_included() -> No
         N = params[name].shape[0]
         assert torch.equal(w, params[name]) and w.stride() == (1, N)
         assert w.data_ptr() != params[name].data_ptr()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_fused_qkv_copies_stack_the_three_projections(kind: str) -> None:
+    model = _model(kind)
+    fused, covered = static_decode.fused_qkv_weights(model)
+    attns = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    assert len(covered) == 3 * len(attns) > 0
+    for path, m in attns:
+        projs = (m.q_proj, m.k_proj, m.v_proj)
+        w = fused[f"{path}.fused_qkv_weight"]
+        assert torch.equal(w, torch.cat([p.weight for p in projs]))
+        assert w.stride() == (1, w.shape[0])  # column-major
+        bias = fused.get(f"{path}.fused_qkv_bias")
+        if m.q_proj.bias is None:
+            assert bias is None
+        else:
+            assert bias is not None and torch.equal(bias, torch.cat([p.bias for p in projs]))
+        assert {f"{path}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")} <= covered
+    assert not set(static_decode.column_major_weights(model, skip=covered)) & covered
+
+
+def test_fused_qkv_weights_give_the_projections_output() -> None:
+    """Self-attention through the packed weights equals the three projections (GQA, rotary,
+    biases); the separate projections are then not read (NaN there changes nothing);
+    cross-attention and a module with biases on some projections only keep them."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    x, src = torch.randn(2, 5, 32), torch.randn(2, 3, 32)  # [B, T, D], [B, S, D]
+    rope = (torch.randn(5, 8), torch.randn(5, 8))  # [T, Dh] x 2
+    fused, covered = static_decode.fused_qkv_weights(mha)
+    assert covered == {"q_proj.weight", "k_proj.weight", "v_proj.weight"}
+    nan = {name: torch.full_like(mha.get_parameter(name), float("nan")) for name in covered}
+    want = mha(x, x, x, need_weights=False, rope=rope)[0]  # [B, T, D]
+    got = functional_call(mha, {**fused, **nan}, (x, x, x), {"need_weights": False, "rope": rope})
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+    assert mha.fused_qkv_weight is None  # only for the duration of the call
+    cross = functional_call(mha, {**fused, **nan}, (x, src, src), {"need_weights": False})
+    assert cross[0].isnan().all()  # the projections are read: nothing packed for a key != query
+    mha.k_proj.bias = None
+    assert static_decode.fused_qkv_weights(mha) == ({}, frozenset())
 
 
 def test_one_row_compiled_step_runs_on_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:

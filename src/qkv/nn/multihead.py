@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from qkv._checks import check_bool, check_positive_int
 from qkv.functional import Backend, attention
@@ -179,6 +180,12 @@ class MultiHeadAttention(nn.Module):
     bias_k: ClassVar[None] = None
     bias_v: ClassVar[None] = None
     add_zero_attn: ClassVar[bool] = False
+    # Packed self-attention projections, set on an instance only while
+    # qkv.models.static_decode runs the model through torch.func.functional_call: the rows of
+    # q_proj, k_proj and v_proj stacked ([D + 2 * Hkv * Dh, D], column-major) read by one matrix
+    # product per step instead of three (one pass over the weights, as CTranslate2 packs them).
+    fused_qkv_weight: Tensor | None = None
+    fused_qkv_bias: Tensor | None = None
 
     def __init__(
         self,
@@ -280,6 +287,18 @@ class MultiHeadAttention(nn.Module):
                 return stored  # [B, Hkv, S, Dh] x 2, projected at the first step
         k = self._split(self.k_proj(key), self.num_kv_heads)  # [B, Hkv, S, Dh]
         v = self._split(self.v_proj(value), self.num_kv_heads)  # [B, Hkv, S, Dh]
+        return self._rotate_and_store(k, v, rope, kv_cache, layer_idx, cross)
+
+    def _rotate_and_store(
+        self,
+        k: Tensor,
+        v: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        kv_cache: KVCache | StaticKVCache | None,
+        layer_idx: int,
+        cross: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """New keys rotated, then both written to the cache (all cached ones returned)."""
         if rope is not None:
             k = apply_rotary(k, *rope)  # [B, Hkv, S, Dh]
         if kv_cache is not None:
@@ -359,8 +378,17 @@ class MultiHeadAttention(nn.Module):
         cross: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values projected and split into heads, rotated, cached."""
-        q = self._split(self.q_proj(query), self.num_heads)  # [B, H, T, Dh]
-        k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
+        if self.fused_qkv_weight is not None and not cross and key is query and value is query:
+            kv_width = self.num_kv_heads * self.head_dim
+            packed = F.linear(query, self.fused_qkv_weight, self.fused_qkv_bias)  # [B, T, P]
+            q, k, v = packed.split((self.embed_dim, kv_width, kv_width), dim=-1)
+            q = self._split(q, self.num_heads)  # [B, H, T, Dh]
+            k = self._split(k, self.num_kv_heads)  # [B, Hkv, T, Dh]
+            v = self._split(v, self.num_kv_heads)  # [B, Hkv, T, Dh]
+            k, v = self._rotate_and_store(k, v, rope, kv_cache, layer_idx, cross)
+        else:
+            q = self._split(self.q_proj(query), self.num_heads)  # [B, H, T, Dh]
+            k, v = self._keys_values(key, value, rope, kv_cache, layer_idx, cross)
         if rope is not None:
             q = apply_rotary(q, *rope)  # [B, H, T, Dh]
         return q, k, v  # [B, H, T, Dh], [B, Hkv, S, Dh] x 2
