@@ -2,6 +2,8 @@
 left-padded batches (rotary GQA and learned positions, greedy and seeded sampling), one graph
 over 256 steps with no graph break and no recompile, and the misuses it refuses."""
 
+import mmap
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -208,6 +210,28 @@ def test_fused_qkv_copies_stack_the_three_projections(kind: str) -> None:
             assert bias is not None and torch.equal(bias, torch.cat([p.bias for p in projs]))
         assert {f"{path}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")} <= covered
     assert not set(static_decode.column_major_weights(model, skip=covered)) & covered
+
+
+def test_huge_page_copies_keep_values_and_layouts_in_one_aligned_map() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 32)  # [N, K]
+    given = {"col": w.t().contiguous().t(), "row": w.clone(), "bias": torch.randn(7)}
+    copies = static_decode.huge_page_copies(given)
+    assert list(copies) == list(given)
+    for name, t in given.items():
+        got = copies[name]
+        assert torch.equal(got, t) and got.stride() == t.stride()
+        assert got.data_ptr() != t.data_ptr()
+    storages = {t.untyped_storage().data_ptr() for t in copies.values()}
+    assert len(storages) == 1  # one memory map
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert copies["col"].data_ptr() % static_decode.HUGE_PAGE == 0
+    copies["row"].add_(1.0)
+    assert torch.equal(copies["col"], given["col"])  # no overlap between copies
+    meta = {"w": torch.empty(4, 4, device="meta")}
+    assert static_decode.huge_page_copies(meta) is meta  # nothing to advise off the CPU
+    with pytest.raises(ValueError, match=r"'sliced' must be contiguous.*strides \(64, 2\)"):
+        static_decode.huge_page_copies({"sliced": torch.randn(8, 64)[:, ::2]})
 
 
 def test_fused_qkv_weights_give_the_projections_output() -> None:
