@@ -163,6 +163,10 @@ class MultiHeadAttention(nn.Module):
     Attributes:
         record_weights: when True, every forward keeps its per-head weights ``[B, H, T, S]``
             (detached) in ``last_weights``, for plots. Off by default: it costs the fast path.
+        fused_qkv_weight: None, except while :mod:`qkv.models.static_decode` runs the model
+            through ``torch.func.functional_call`` with the three projections packed into one
+            ``[D + 2 * Hkv * Dh, D]`` matrix (and ``fused_qkv_bias``); self-attention then
+            reads that matrix in one product. Not a parameter: never saved or trained.
 
     Raises:
         TypeError: a size that is not an int (a bool included: ``num_heads=True`` is no count),
