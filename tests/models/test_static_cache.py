@@ -212,26 +212,27 @@ def test_fused_qkv_copies_stack_the_three_projections(kind: str) -> None:
     assert not set(static_decode.column_major_weights(model, skip=covered)) & covered
 
 
-def test_huge_page_copies_keep_values_and_layouts_in_one_aligned_map() -> None:
+def test_column_major_copies_lie_in_one_aligned_map() -> None:
     torch.manual_seed(0)
     w = torch.randn(48, 32)  # [N, K]
     given = {"col": w.t().contiguous().t(), "row": w.clone(), "bias": torch.randn(7)}
-    copies = static_decode.huge_page_copies(given)
+    copies = static_decode.column_major_copies(given)
     assert list(copies) == list(given)
     for name, t in given.items():
         got = copies[name]
-        assert torch.equal(got, t) and got.stride() == t.stride()
-        assert got.data_ptr() != t.data_ptr()
+        assert torch.equal(got, t) and got.data_ptr() != t.data_ptr()
+    assert copies["col"].stride() == copies["row"].stride() == (1, 48)  # column-major
+    assert copies["bias"].stride() == (1,)
     storages = {t.untyped_storage().data_ptr() for t in copies.values()}
     assert len(storages) == 1  # one memory map
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert copies["col"].data_ptr() % static_decode.HUGE_PAGE == 0
     copies["row"].add_(1.0)
     assert torch.equal(copies["col"], given["col"])  # no overlap between copies
-    meta = {"w": torch.empty(4, 4, device="meta")}
-    assert static_decode.huge_page_copies(meta) is meta  # nothing to advise off the CPU
-    with pytest.raises(ValueError, match=r"'sliced' must be contiguous.*strides \(64, 2\)"):
-        static_decode.huge_page_copies({"sliced": torch.randn(8, 64)[:, ::2]})
+    meta = static_decode.column_major_copies({"w": torch.empty(4, 6, device="meta")})
+    assert meta["w"].stride() == (1, 4)  # off the CPU: a tensor of its own, same layout
+    with pytest.raises(ValueError, match=r"'cube' must be a vector or a matrix.*\(2, 2, 2\)"):
+        static_decode.column_major_copies({"cube": torch.randn(2, 2, 2)})
 
 
 def test_fused_qkv_weights_give_the_projections_output() -> None:

@@ -18,8 +18,8 @@ column-major weights at B=1 (where prepacking gains nothing). So:
   query, key and value projections of each self-attention packed into one
   (:func:`fused_qkv_weights`: one matrix product reads them, as CTranslate2 packs them;
   measured +3.6 % tokens/s on GPT-2 small and +2.4 % on the 12-layer Llama-style model of
-  ``benchmarks/decode.py``, one thread). The copies lie in one memory map on transparent huge
-  pages (:func:`huge_page_copies`: fewer TLB misses while streaming the weights).
+  ``benchmarks/decode.py``, one thread). The copies lie in memory maps on transparent huge
+  pages (:func:`column_major_copies`: fewer TLB misses while streaming the weights).
 * **B > 1**: the step is compiled with inductor's *freezing* (``torch._inductor.config.freezing``):
   parameters and buffers become constants of the graph and inductor packs each ``Linear``
   weight for MKL once.
@@ -136,7 +136,7 @@ def relaid_weights(model: nn.Module) -> dict[str, Tensor]:
     known = _RELAID.get(model)
     if known is None or known[0] != now:
         fused, covered = fused_qkv_weights(model)
-        copies = huge_page_copies({**column_major_weights(model, skip=covered), **fused})
+        copies = {**column_major_weights(model, skip=covered), **fused}
         _RELAID[model] = known = (now, {f"model.{name}": w for name, w in copies.items()})
     return known[1]
 
@@ -145,22 +145,29 @@ HUGE_PAGE = 2 << 20
 """The size of a transparent huge page on x86-64 and arm64 Linux (bytes)."""
 
 
-def huge_page_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``tensors`` copied, values and strides alike, into one anonymous memory map that asks
-    Linux for transparent huge pages (``madvise(MADV_HUGEPAGE)``; Linux's default THP mode
-    honours it, torch's allocator does not ask unless ``THP_MEM_ALLOC_ENABLE=1``).
+def column_major_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` copied once each: a matrix ``[N, K]`` column-major (stored as a contiguous
+    ``[K, N]``, strides ``(1, N)``), a vector contiguous. On the CPU (Linux) all of them lie in
+    one anonymous memory map that asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``;
+    Linux's default THP mode honours it, torch's allocator does not ask unless
+    ``THP_MEM_ALLOC_ENABLE=1``); elsewhere each is a tensor of its own.
 
     Reading hundreds of MB per token through 4 KB pages pays a TLB miss every 4 KB; on 2 MB
     pages B=1 decoding of GPT-2 small ran 1.5-11% faster here (median 3%, five interleaved
-    pairs of processes, 1 thread). Each tensor
-    must be contiguous or a transposed contiguous matrix (what :func:`column_major_weights`
-    makes). The tensors are returned as they are off the CPU, where ``mmap`` cannot advise
-    (not Linux) or when there are none.
+    pairs of processes, 1 thread).
+
+    Raises:
+        ValueError: a tensor that is neither a vector nor a matrix.
     """
-    if not tensors or any(t.device.type != "cpu" for t in tensors.values()):
-        return tensors
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return tensors
+    for name, t in tensors.items():
+        if t.dim() not in (1, 2):
+            raise ValueError(
+                f"column_major_copies: {name!r} must be a vector or a matrix, got shape "
+                f"{tuple(t.shape)}"
+            )
+    on_cpu = all(t.device.type == "cpu" for t in tensors.values())
+    if not tensors or not on_cpu or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return {name: t.detach().t().contiguous().t() for name, t in tensors.items()}
     sizes = {name: -(-t.nbytes // 64) * 64 for name, t in tensors.items()}  # 64-byte aligned
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # shared anonymous maps are shmem: no THP
     region = mmap.mmap(-1, sum(sizes.values()) + HUGE_PAGE, flags=private)
@@ -170,46 +177,42 @@ def huge_page_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     offset = -raw.data_ptr() % HUGE_PAGE  # start on a huge-page boundary
     out: dict[str, Tensor] = {}
     for name, t in tensors.items():
-        transposed = not t.is_contiguous()
-        src = t.t() if transposed else t
-        if not src.is_contiguous():
-            raise ValueError(
-                f"huge_page_copies: {name!r} must be contiguous or a transposed contiguous "
-                f"matrix, got shape {tuple(t.shape)} with strides {t.stride()}"
-            )
-        dst = raw[offset : offset + t.nbytes].view(t.dtype).view(src.shape)
-        dst.copy_(src)
-        out[name] = dst.t() if transposed else dst
+        dst = raw[offset : offset + t.nbytes].view(t.dtype).view(t.t().shape)  # [K, N] or [N]
+        dst.copy_(t.detach().t())
+        out[name] = dst.t()  # [N, K], strides (1, N)
         offset += sizes[name]
     return out
 
 
 def column_major_weights(model: nn.Module, skip: frozenset[str] = frozenset()) -> dict[str, Tensor]:
-    """A column-major copy of every ``nn.Linear`` weight of ``model`` (a tied output head's
-    too), by its parameter name: the same ``[N, K]`` values stored as a contiguous ``[K, N]``,
-    so that ``x @ W.t()`` reads the weight as MKL's matrix-vector product reads it fastest.
-    Parameters named in ``skip`` are left out."""
+    """A column-major copy (:func:`column_major_copies`) of every ``nn.Linear`` weight of
+    ``model`` (a tied output head's too), by its parameter name: the same ``[N, K]`` values
+    stored as a contiguous ``[K, N]``, so that ``x @ W.t()`` reads the weight as MKL's
+    matrix-vector product reads it fastest. Parameters named in ``skip`` are left out."""
     names = {id(p): name for name, p in model.named_parameters()}
-    return {
-        names[id(m.weight)]: m.weight.detach().t().contiguous().t()  # [N, K], strides (1, N)
-        for m in model.modules()
-        if isinstance(m, nn.Linear) and names[id(m.weight)] not in skip
-    }
+    return column_major_copies(
+        {
+            names[id(m.weight)]: m.weight  # [N, K]
+            for m in model.modules()
+            if isinstance(m, nn.Linear) and names[id(m.weight)] not in skip
+        }
+    )
 
 
 def fused_qkv_weights(model: nn.Module) -> tuple[dict[str, Tensor], frozenset[str]]:
     """For each :class:`~qkv.nn.MultiHeadAttention` of ``model`` whose keys and values may come
     from its queries' input (``kdim == vdim == embed_dim``): its projections packed, as
     ``{path}.fused_qkv_weight`` (the rows of ``q_proj``, ``k_proj``, ``v_proj`` stacked,
-    ``[D + 2 * Hkv * Dh, D]``, column-major) and ``{path}.fused_qkv_bias`` when all three have
-    biases (a module with biases on some of them only is left out).
+    ``[D + 2 * Hkv * Dh, D]``, column-major: :func:`column_major_copies`) and
+    ``{path}.fused_qkv_bias`` when all three have biases (a module with biases on some of them
+    only is left out).
 
     Returns:
         ``(tensors by attribute path, the names of the parameters they pack)``. Run the model
         with them through ``torch.func.functional_call``; its self-attention then reads them
         (cross-attention and calls whose key is not the query still read the projections).
     """
-    fused: dict[str, Tensor] = {}
+    stacked: dict[str, Tensor] = {}
     covered: set[str] = set()
     for path, m in model.named_modules():
         if not isinstance(m, MultiHeadAttention) or not m.kdim == m.vdim == m.embed_dim:
@@ -218,13 +221,13 @@ def fused_qkv_weights(model: nn.Module) -> tuple[dict[str, Tensor], frozenset[st
         if len({lin.bias is None for lin in projs.values()}) > 1:
             continue  # biases on some projections only: nothing to stack them into
         prefix = f"{path}." if path else ""
-        stacked = torch.cat([lin.weight.detach() for lin in projs.values()])  # [P, D]
-        fused[f"{prefix}fused_qkv_weight"] = stacked.t().contiguous().t()  # strides (1, P)
+        weights = [lin.weight.detach() for lin in projs.values()]
+        stacked[f"{prefix}fused_qkv_weight"] = torch.cat(weights)  # [P, D]
         if m.q_proj.bias is not None:
             biases = [lin.bias.detach() for lin in projs.values()]
-            fused[f"{prefix}fused_qkv_bias"] = torch.cat(biases)  # [P]
+            stacked[f"{prefix}fused_qkv_bias"] = torch.cat(biases)  # [P]
         covered.update(f"{prefix}{p}.weight" for p in projs)
-    return fused, frozenset(covered)
+    return column_major_copies(stacked), frozenset(covered)
 
 
 def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int) -> Step:
