@@ -1,8 +1,10 @@
 """Encoder throughput: qkv's BertEncoder against Hugging Face ``BertModel``, in one run.
 
 Both run the same all-MiniLM-L6-v2 weights on the same tokenized, padded batch; timings are
-interleaved (qkv, then each reference, repeated) so load on the machine hits all alike, and
-the median of the repeats is reported, with each one's ratio to the best peer (the faster
+interleaved block by block (each contestant: one untimed call, then ``--block`` timed calls in
+a row; then the next contestant) so load on the machine hits all alike without timing the
+hand-over between ONNX Runtime's and torch's thread pools, and the median of all timed calls is
+reported, with each one's ratio to the best peer (the faster
 ``BertModel``). Tokenizing and pooling are not timed: only the encoder. ``qkv (auto, unpad)`` is
 what ``qkv embed`` runs: the layers on the real tokens only (``BertEncoder(..., unpad=True)``).
 ``ONNX Runtime`` runs the same ``BertModel`` exported with ``torch.onnx.export(dynamo=True)``
@@ -57,7 +59,10 @@ def sentences(n: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[32])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=15, help="blocks per contestant")
+    parser.add_argument(
+        "--block", type=int, default=3, help="timed calls per block (after one untimed call)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--quick",
@@ -82,7 +87,10 @@ def main() -> None:
     session = None if args.no_onnx else onnx_session(embedder, refs["sdpa"], args.threads)
     compiled = None if args.no_compile else compiled_embedder(models["auto"], embedder, args.batch)
     for batch in args.batch:
-        bench(embedder, models, refs, batch, repeats, args.threads, args.quick, session, compiled)
+        bench(
+            embedder, models, refs, batch, repeats, args.threads, args.quick, session, compiled,
+            args.block,
+        )  # fmt: skip
 
 
 def compiled_embedder(
@@ -158,13 +166,20 @@ def bench(
     quick: bool,
     session: Callable[[dict[str, object]], object] | None = None,
     compiled: CompiledEmbedder | None = None,
+    block: int = 3,
 ) -> None:
-    """Time every contestant on one batch of ``batch`` sentences and print the table."""
+    """Time every contestant on one batch of ``batch`` sentences and print the table.
+
+    Contestants take turns block by block: each block is one untimed call, then ``block``
+    timed calls in a row. Timing single calls in turn measured mostly the hand-over: ONNX
+    Runtime's and torch's thread pools spin for a while after a call, and on 2 cores the next
+    runtime's first call waits for them (batch 1 here: 2-3x each contestant's time in a row).
+    """
     ids, attention_mask, type_ids = embedder.tokenize(sentences(batch))
     print(
         f"all-MiniLM-L6-v2, batch {batch}, padded length {ids.shape[1]}, "
         f"{int(attention_mask.sum())} real tokens, {threads} thread(s), "
-        f"median of {repeats}, torch {torch.__version__}, transformers "
+        f"median of {repeats} blocks of {block}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}"
     )
     runs: dict[str, Callable[[], object]] = {}
@@ -187,13 +202,13 @@ def bench(
 
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.no_grad():  # not inference_mode: attention plans read a mask's version counter
-        for fn in runs.values():  # warm-up
-            fn()
         for _ in range(repeats):
             for name, fn in runs.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+                fn()  # untimed: the other runtime's threads, still spinning, slow this call
+                for _ in range(block):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
 
     peers = [n for n in times if n.startswith(("BertModel", "ONNX"))]
     peer = min(peers, key=lambda n: _median(times[n]))
