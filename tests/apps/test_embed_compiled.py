@@ -11,7 +11,7 @@ import torch
 
 from qkv.apps.cli import main
 from qkv.apps.embed import SentenceEmbedder
-from qkv.apps.embed_compiled import CompiledEmbedder
+from qkv.apps.embed_compiled import FEW_TOKENS, CompiledEmbedder
 from qkv.apps.pooling import l2_normalize, mean_pool
 from qkv.models.bert import BertConfig, BertEncoder
 
@@ -78,6 +78,38 @@ def test_one_graph_for_many_shapes_and_sees_new_weights(model: BertEncoder) -> N
     finally:
         with torch.no_grad():
             weight.div_(2.0)
+
+
+def test_few_tokens_run_the_cpp_wrapper_graphs(
+    model: BertEncoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor is asked for a C++ wrapper for batches of at most FEW_TOKENS real tokens only
+    (traced here with dynamo's eager backend, each compiled function recording its calls)."""
+    compile_ = torch.compile
+    calls: list[dict[str, object] | None] = []
+
+    def recording(fn, **kw):  # type: ignore[no-untyped-def]
+        compiled = compile_(fn, **{**kw, "backend": "eager", "options": None})
+        options = kw.get("options")
+
+        def call(*args):  # type: ignore[no-untyped-def]
+            calls.append(options)
+            return compiled(*args)
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", recording)
+    compiled = CompiledEmbedder(model)
+    T = CONFIG.max_position_embeddings
+    full, rest = divmod(FEW_TOKENS, T)
+    edge = [T] * full + [rest]  # exactly FEW_TOKENS tokens
+    many = [T] * (full + 1)  # more
+    for lengths in ([5, 3], edge, many):
+        ids, mask, types = batch(lengths, T)
+        assert torch.allclose(compiled(ids, mask, types), eager(model, ids, mask, types), atol=1e-5)
+    cpp = {"cpp_wrapper": True}
+    assert calls == [cpp, cpp, None]
+    assert sum(edge) == FEW_TOKENS < sum(many)
 
 
 def test_refusals(model: BertEncoder) -> None:
