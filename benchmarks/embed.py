@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[32])
     parser.add_argument("--repeats", type=int, default=15, help="blocks per contestant")
     parser.add_argument(
-        "--block", type=int, default=3, help="timed calls per block (after 0.1 s of untimed ones)"
+        "--block", type=int, default=3, help=f"timed calls per block (after {SETTLE_S} s untimed)"
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
