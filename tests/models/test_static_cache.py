@@ -88,10 +88,14 @@ def test_compiled_step_is_one_graph_over_256_steps(
     generation (tens of seconds on this CPU) is what benchmarks/decode.py times. One row runs on
     the relaid copies (packed projections set on the modules inside the graph)."""
     compile_ = torch.compile
+    options: list[object] = []
+
+    def recording(fn, **kw):  # type: ignore[no-untyped-def]
+        options.append(kw.get("options"))
+        return compile_(fn, **{**kw, "backend": "eager", "mode": None, "options": None})
+
     monkeypatch.setattr(static_decode, "_COMPILED", {})
-    monkeypatch.setattr(
-        torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager", "mode": None})
-    )
+    monkeypatch.setattr(torch, "compile", recording)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = _model("llama", max_positions=512)
@@ -106,6 +110,8 @@ def test_compiled_step_is_one_graph_over_256_steps(
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
+    # one row: inductor writes the step's wrapper in C++; frozen batches keep the Python one
+    assert options == [{"cpp_wrapper": True} if rows == 1 else None]
 
 
 def test_misuse_is_refused() -> None:
