@@ -25,11 +25,6 @@ at the edge and patches the two places where results would differ:
   :func:`~qkv.backends.policy.allow_sdpa_backward` (the user's opt-in),
   SDPA's own backward is kept on CPU too: faster, less exact.
 
-- one query row (a cached decoding step) compiled for the CPU, without gradient or dropout:
-  not SDPA but :func:`~qkv.backends.one_query.one_query_attention`, reductions that inductor
-  fuses, where the zeroed copy of the whole key/value cache above and SDPA's kernel took 6.5 %
-  of a GPT-2 decoding step.
-
 Grouped-query attention goes through SDPA's ``enable_gqa``. Inputs are validated by
 :mod:`qkv.functional`.
 """
@@ -43,7 +38,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.backends.call import needs_grad
-from qkv.backends.one_query import one_query_applies, one_query_attention
 from qkv.backends.policy import current_policy
 from qkv.backends.reference import compute_dtype, drop_blocked_keys, reference_attention
 from qkv.masks import Align, causal_mask
@@ -162,12 +156,6 @@ def fused_attention(
     sdpa_causal = uses_sdpa_is_causal(T, S, mask, attn_bias, is_causal, causal_align)
     if is_causal and not sdpa_causal:
         mask = _with_causal(mask, T, S, query.device, causal_align)  # [B|1, H|1, T, S]
-    if one_query_applies(query, key, value, attn_bias, dropout_p, training):
-        # a compiled decoding step: fused reductions, no zeroed copy of the cache
-        if sdpa_causal:
-            mask = _with_causal(mask, T, S, query.device, causal_align)  # [1, 1, 1, S]
-        out = one_query_attention(query, key, value, mask, attn_bias, scale, work)
-        return out.to(out_dtype)  # [B, H, 1, Dv]
     dead: Tensor | None = None
     k, v = drop_blocked_keys(key, value, mask)  # [B, Hkv, S, Dh|Dv]
     if mask is not None:
