@@ -301,3 +301,18 @@ def test_frozen_inductor_step_follows_weight_changes() -> None:
     again = model.generate(ids, 4, padding_mask=pad, greedy=True, compile=True)
     assert torch.equal(again, model.generate(ids, 4, padding_mask=pad, greedy=True))
     assert not torch.equal(again, first)
+
+
+def test_one_row_inductor_step_follows_weight_changes() -> None:
+    """The real thing at B=1 (inductor with its C++ wrapper, on the column-major copies: ~8 s
+    here): the eager path's tokens, before and after an in-place change of every weight."""
+    model = _model("gpt2")
+    ids = _prompts()[0][:1]  # [1, T0]
+    first = model.generate(ids, 6, greedy=True, compile=True)
+    assert torch.equal(first, model.generate(ids, 6, greedy=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    again = model.generate(ids, 6, greedy=True, compile=True)
+    assert torch.equal(again, model.generate(ids, 6, greedy=True))
+    assert not torch.equal(again, first)
