@@ -6,12 +6,15 @@ code); inductor's code generation (tens of seconds here) is what ``benchmarks/em
 and checks against the eager path within 1e-5.
 """
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from qkv.apps.cli import main
 from qkv.apps.embed import SentenceEmbedder
 from qkv.apps.embed_compiled import FEW_TOKENS, CompiledEmbedder
+from qkv.apps.embed_one import OneSentenceProgram, encode_one
 from qkv.apps.pooling import l2_normalize, mean_pool
 from qkv.models.bert import BertConfig, BertEncoder
 
@@ -25,6 +28,15 @@ CONFIG = BertConfig(
 def model() -> BertEncoder:
     torch.manual_seed(0)
     return BertEncoder(CONFIG).eval()
+
+
+def eager_program(
+    program: OneSentenceProgram, ids: torch.Tensor, types: torch.Tensor, weights: list[torch.Tensor]
+) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """A stand-in for :meth:`OneSentenceProgram._compile`: the same inputs, run eagerly."""
+    program.compiled += 1
+    plan = program.plan()
+    return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
 
 
 def batch(lengths: list[int], T: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -151,6 +163,8 @@ def test_qkv_embed_compile(
     monkeypatch.setattr(
         torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"})
     )
+    # one sentence runs the AOTInductor program: its function, eagerly (no codegen: quick)
+    monkeypatch.setattr(OneSentenceProgram, "_compile", eager_program)
     assert main(["embed", "A cat sits.", "A cat sat down.", "--compile"]) == 0
     compiled = capsys.readouterr().out
     assert main(["embed", "A cat sits.", "A cat sat down."]) == 0

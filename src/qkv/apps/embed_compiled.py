@@ -10,8 +10,11 @@ sizes and lengths reuse it (a batch of one sentence gets a graph of its own: dyn
 sizes of 1). The eager path's checks run once per batch on the host ids, not in the graph.
 A short batch is mostly the cost of calling the kernels, so batches of at most
 :data:`FEW_TOKENS` real tokens run graphs whose wrapper inductor writes in C++ (no Python
-between kernels), compiled separately. (Column-major copies of the weights, which speed
-compiled decoding, did not help here: 1.05x the time for one sentence.)
+between kernels), compiled separately. A batch of one sentence (a search query) on the CPU runs
+:class:`~qkv.apps.embed_one.OneSentenceProgram` instead: the encoder compiled ahead of time by
+AOTInductor, called without guards, on column-major copies of the weights (remade when the
+weights change). (Column-major copies of the weights, which speed
+compiled decoding, did not help the packed graph: 1.05x the time for one sentence.)
 
 Shapes: B batch, T padded length, N real tokens, T' longest sentence, D embedding width,
 H heads, Dh head width.
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
+from qkv.apps.embed_one import OneSentenceProgram
 from qkv.apps.pooling import l2_normalize
 from qkv.functional import attention
 from qkv.models.bert import BertEncoder
@@ -46,12 +50,14 @@ class CompiledEmbedder:
 
     Args:
         model: the encoder, in eval mode, its layers plain (:func:`runs_unpadded`); its
-            weights are read at each call (not copied).
+            weights are read at each call (the one-sentence program's copies are remade when
+            they changed).
         compiler: the ``torch.compile`` backend (``"eager"`` traces without generating code:
-            quick, for tests).
+            quick, for tests; it also leaves out the one-sentence program).
 
     Attributes:
-        graphs: graphs compiled so far (each is paid once: see :attr:`compile_seconds`).
+        graphs: graphs and programs compiled so far (each is paid once: see
+            :attr:`compile_seconds`).
         compile_seconds: wall time of the calls that compiled a graph.
 
     Raises:
@@ -70,8 +76,11 @@ class CompiledEmbedder:
         compile_ = functools.partial(torch.compile, backend=compiler, dynamic=True, fullgraph=True)
         self._compiled = compile_(self._pooled)
         self._compiled_few = self._compiled
+        self._one: OneSentenceProgram | None = None
         if compiler == "inductor":  # few tokens: inductor's C++ wrapper, no Python per kernel
             self._compiled_few = compile_(self._pooled, options={"cpp_wrapper": True})
+            if OneSentenceProgram.supports(model):
+                self._one = OneSentenceProgram(model)
 
     def _pooled(
         self, rows: tuple[Tensor, Tensor, Tensor], grid_index: Tensor, bias: Tensor
@@ -112,6 +121,10 @@ class CompiledEmbedder:
         device = next(self.model.parameters()).device
         out = torch.zeros(input_ids.shape[0], self.model.config.hidden_size, device=device)
         lengths = attention_mask.sum(dim=1)  # [B]
+        if self._one is not None and device.type == "cpu" and input_ids.shape[0] == 1:
+            n = int(lengths[0])
+            if n >= 2:
+                return self._run_one(input_ids[0, :n], token_type_ids[0, :n])  # [1, D]
         live = lengths > 0  # [B]: sentences with a token
         if not bool(live.any()):
             return out  # [B, D]
@@ -134,6 +147,16 @@ class CompiledEmbedder:
         if counters["stats"]["unique_graphs"] != before:
             self.graphs += counters["stats"]["unique_graphs"] - before
             self.compile_seconds += time.perf_counter() - start
+        return pooled
+
+    def _run_one(self, ids: Tensor, types: Tensor) -> Tensor:
+        """One sentence of ``N >= 2`` tokens through :class:`OneSentenceProgram`."""
+        assert self._one is not None
+        before = self._one.compiled, self._one.compile_seconds
+        ids, types = (t.to(torch.int64).contiguous() for t in (ids, types))  # as it was exported
+        pooled = self._one(ids, types)  # [1, D]
+        self.graphs += self._one.compiled - before[0]
+        self.compile_seconds += self._one.compile_seconds - before[1]
         return pooled
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor) -> None:

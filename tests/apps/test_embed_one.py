@@ -1,0 +1,134 @@
+"""The one-sentence AOTInductor program against the eager unpadded path, on a tiny random BERT.
+
+The pure function and its weight list run eagerly (cheap); one test compiles the real program
+with AOTInductor (about 10 s here) and checks it, its dynamic token count and its view of
+changed weights, directly and through :class:`CompiledEmbedder`.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from qkv.apps.embed_compiled import CompiledEmbedder
+from qkv.apps.embed_one import OneSentenceProgram, encode_one
+from qkv.apps.pooling import l2_normalize, mean_pool
+from qkv.models.bert import BertConfig, BertEncoder
+
+CONFIG = BertConfig(
+    vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=64, max_position_embeddings=24,
+)  # fmt: skip
+
+
+def make(seed: int = 0, **overrides: object) -> BertEncoder:
+    torch.manual_seed(seed)
+    config = BertConfig(**{**CONFIG.__dict__, **overrides})
+    model = BertEncoder(config).eval()
+    for p in model.parameters():  # LayerNorms and biases away from their 1s and 0s
+        p.data.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def sentence(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, CONFIG.vocab_size, (n,), generator=g)  # [N]
+    return ids, torch.randint(0, 2, (n,), generator=g)
+
+
+def eager(model: BertEncoder, ids: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones(1, ids.shape[0], dtype=torch.long)
+    with torch.no_grad():
+        return l2_normalize(mean_pool(model(ids[None], mask, types[None], unpad=True), mask))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize("n", [2, 5, 24])
+def test_the_function_equals_the_eager_path(activation: str, n: int) -> None:
+    model = make(hidden_act=activation)
+    program = OneSentenceProgram(model)
+    ids, types = sentence(n, seed=n)
+    with torch.no_grad():
+        got = encode_one(program.weights(), ids, types, program.plan())  # [1, D]
+    assert got.shape == (1, CONFIG.hidden_size)
+    torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
+
+
+def test_weights_are_remade_only_when_a_source_changed() -> None:
+    model = make()
+    program = OneSentenceProgram(model)
+    ids, types = sentence(6)
+    first = program.weights()
+    assert program.weights() is first  # nothing changed: no copy
+    qkv = first[5]
+    assert qkv.shape == (3 * CONFIG.hidden_size, CONFIG.hidden_size) and qkv.stride() == (1, 96)
+
+    def check() -> None:
+        with torch.no_grad():
+            got = encode_one(program.weights(), ids, types, program.plan())
+        torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
+
+    layer = model._layers()[1]
+    with torch.no_grad():
+        layer.self_attn.k_proj.weight.mul_(-1.5)  # in place: the version counter moves
+    assert program.weights() is not first
+    check()
+    layer.ffn.fc2.weight = nn.Parameter(torch.randn_like(layer.ffn.fc2.weight))  # replaced
+    check()
+    layer.self_attn.out_proj = nn.Linear(CONFIG.hidden_size, CONFIG.hidden_size)  # new module
+    check()
+    model.embeddings.norm.weight.data = torch.rand(CONFIG.hidden_size)  # storage swapped
+    check()
+
+
+def test_supports_and_refusals() -> None:
+    model = make()
+    assert OneSentenceProgram.supports(model)
+    assert not OneSentenceProgram.supports(nn.Linear(2, 2))
+    hooked = make()
+    handle = hooked._layers()[0].register_forward_hook(lambda *a: None)
+    assert not OneSentenceProgram.supports(hooked)
+    handle.remove()
+    no_bias = make()
+    no_bias._layers()[0].ffn.fc1.bias = None  # type: ignore[assignment]
+    assert not OneSentenceProgram.supports(no_bias)
+    with pytest.raises(ValueError, match="biases"):
+        OneSentenceProgram(no_bias)
+    program = OneSentenceProgram(model)
+    for n in (1, CONFIG.max_position_embeddings + 1):
+        with pytest.raises(ValueError, match=r"2 <= N <= 24"):
+            program(*sentence(n))
+    with pytest.raises(ValueError, match=r"\[4\] and \[3\]"):
+        program(sentence(4)[0], sentence(3)[1])
+    model._layers()[0].ffn.fc1.bias = None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="removed"):
+        program.weights()
+
+
+def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AOTInductor for real: one program for every token count, new weights seen, and
+    :class:`CompiledEmbedder` sends a batch of one sentence (N >= 2) to it."""
+    model = make(seed=3)
+    embedder = CompiledEmbedder(model)
+    assert embedder._one is not None
+    graphs: list[object] = []
+
+    def packed_graph(*args: object) -> None:  # the packed rows' graph: must not be called
+        graphs.append(args)
+
+    monkeypatch.setattr(embedder, "_run", packed_graph)
+    for n in (5, 2, 24, 9):
+        ids, types = sentence(n, seed=n)
+        pad = torch.zeros(min(3, CONFIG.max_position_embeddings - n), dtype=torch.long)
+        mask = torch.cat([torch.ones_like(ids), pad])[None]  # [1, T]: right padding, if any
+        with torch.no_grad():  # the program gets the real tokens only
+            got = embedder(torch.cat([ids, pad])[None], mask, torch.cat([types, pad])[None])
+        torch.testing.assert_close(got, eager(model, ids, types), atol=1e-5, rtol=0)
+    assert embedder.graphs == embedder._one.compiled == 1 and embedder.compile_seconds > 0
+    assert graphs == []
+    with torch.no_grad():
+        model._layers()[0].ffn.fc1.weight.mul_(2.0)
+    ids, types = sentence(7)
+    with torch.no_grad():
+        got = embedder(ids[None], torch.ones(1, 7, dtype=torch.long), types[None].int())
+    torch.testing.assert_close(got, eager(model, ids, types), atol=1e-5, rtol=0)
+    assert embedder._one.compiled == 1
