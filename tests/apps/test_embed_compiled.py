@@ -145,6 +145,49 @@ def test_refusals(model: BertEncoder) -> None:
         model.eval()
 
 
+def test_one_sentence_is_checked_on_the_host(
+    model: BertEncoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of one sentence goes to the one-sentence program after list checks; whatever
+    those checks do not pass goes to the packed graph, which answers or refuses as before."""
+    monkeypatch.setattr(OneSentenceProgram, "_compile", eager_program)
+    compiled = CompiledEmbedder(model, compiler="eager")
+    compiled._one = OneSentenceProgram(model)  # the eager compiler leaves it out
+    packed: list[int] = []
+    run = compiled._run
+
+    def counted(rows: tuple[torch.Tensor, ...], *args: torch.Tensor) -> torch.Tensor:
+        packed.append(rows[0].shape[0])
+        return run(rows, *args)
+
+    monkeypatch.setattr(compiled, "_run", counted)
+    ids, mask, types = batch([5], 8, seed=4)
+    want = eager(model, ids, mask, types)  # [1, D]
+    for m, i, t in [
+        (mask, ids, types),
+        (mask.bool(), ids.int(), types.int()),  # other integer and mask dtypes
+        (mask.float(), ids, types),
+    ]:
+        torch.testing.assert_close(compiled(i, m, t), want, atol=1e-6, rtol=0)
+    assert packed == [] and compiled._one.compiled == 1
+    one_token = batch([1], 4)
+    torch.testing.assert_close(compiled(*one_token), eager(model, *one_token), atol=1e-6, rtol=0)
+    assert packed == [1]  # fewer than 2 tokens: the packed graph
+    refusals = [
+        ((ids + CONFIG.vocab_size, mask, types), "input_ids must lie in"),
+        ((ids - ids - 1, mask, types), "input_ids must lie in"),
+        ((ids, mask, types + 2), "token_type_ids must lie in"),
+        ((ids, mask.flip(1), types), "padding on the right"),
+        ((ids, mask * 2, types), "padding on the right"),
+        ((ids, mask[:, :4], types), "attention_mask must be"),
+        ((ids[:, :1].expand(1, 30), torch.ones(1, 30), types[:, :1].expand(1, 30)), "truncate"),
+    ]
+    for args, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            compiled(*args)
+    assert packed == [1] and compiled._one.compiled == 1
+
+
 def test_sentence_embedder_runs_the_compiled_graph() -> None:
     eager_embedder = SentenceEmbedder(batch_size=3)
     embedder = SentenceEmbedder(batch_size=3, compile=True)
