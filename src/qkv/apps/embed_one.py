@@ -16,7 +16,7 @@ few rows: each ``Linear`` weight as a column-major copy (``x @ W.t()`` then read
 ``[K, N]``: 24 products on 5 rows took 0.73x the time of the row-major weights here) and each
 layer's query, key and value projections packed into one. The copies are remade when any
 source tensor changed since the last call (a fingerprint of identity, storage address and
-version counter, checked each call in ~30 us), so in-place writes, ``load_state_dict`` and
+version counter, checked each call in ~25 us), so in-place writes, ``load_state_dict`` and
 replaced parameters are all seen. Each bias is added to its product outside the product
 (``(x @ W.t())[None] + b``): inductor then adds it inside the next fused kernel, where a fused
 ``addmm`` first copies the bias into its output (~3 us a product here).
