@@ -198,7 +198,11 @@ class CompiledEmbedder:
         return pooled
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor) -> None:
-        """The eager path's value checks, on the host ids, once per batch (see ``__call__``)."""
+        """The eager path's value checks, on the host ids, once per batch (see ``__call__``).
+
+        :meth:`_one_sentence` states the same rules on Python lists for a batch of one sentence
+        (and leaves to this one whatever they refuse): change the two together.
+        """
         cfg = self.model.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")

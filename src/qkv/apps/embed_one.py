@@ -149,7 +149,7 @@ class OneSentenceProgram:
         self._weights: list[Tensor] = []
         self._run: Callable[[list[Tensor]], list[Tensor]] | None = None
         self._run_key: tuple[torch.dtype, torch.device] | None = None
-        # (dictionaries, keys): every submodule slot of the model, then every source slot
+        # (dictionaries, keys) for map(dict.get, ...): the model's submodule slots, the sources'
         self._tree: tuple[list[dict[str, nn.Module | None]], list[str]] = ([], [])
         self._submodules: list[nn.Module | None] = []
         self._slots: tuple[list[dict[str, nn.Parameter | None]], list[str]] | None = None
