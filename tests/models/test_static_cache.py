@@ -80,6 +80,37 @@ def test_forward_static_logits_match_forward(kind: str) -> None:
     torch.testing.assert_close(last, want[:, -2:], atol=1e-5, rtol=1.3e-6)
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_window_reads_only_the_slots_written(kind: str) -> None:
+    """Each step given the window of the slots written so far: the logits of all ``C`` slots,
+    and the slots after the window are never read (NaN there changes nothing)."""
+    model = _model(kind)
+    ids, pad = _prompts()
+    with torch.no_grad():
+        want = model(ids, pad)  # [B, T0, V]
+        cache = model.new_static_cache(3, 64)
+        cache.start(pad)
+        for layer in range(cache.num_layers):
+            cache.keys[layer][:, :, 7:] = float("nan")
+            cache.values[layer][:, :, 7:] = float("nan")
+        head = model.forward_static(ids[:, :4], cache, torch.arange(4), window=cache.window(4))
+        tail = [
+            model.forward_static(
+                ids[:, t : t + 1], cache, torch.tensor([t]), window=cache.window(t + 1)
+            )
+            for t in (4, 5, 6)
+        ]
+        k, v = cache.update(
+            0,
+            torch.zeros(3, cache.keys[0].shape[1], 1, 8),
+            torch.zeros(3, cache.keys[0].shape[1], 1, 8),
+        )
+    got = torch.cat([head, *tail], dim=1)
+    real = ~pad
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1.3e-6)
+    assert k.shape[2] == v.shape[2] == 7  # the last step's window: 7 of 64 slots
+
+
 @pytest.mark.parametrize("rows", [3, 1])
 def test_compiled_step_is_one_graph_over_256_steps(
     monkeypatch: pytest.MonkeyPatch, rows: int
@@ -127,6 +158,19 @@ def test_misuse_is_refused() -> None:
         model(torch.ones(2, 1, dtype=torch.long), kv_cache=cache)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="self-attention only"):
         cache.get_cross(0)
+    with pytest.raises(ValueError, match=r"length must be in \[1, capacity=8\], got 9"):
+        cache.window(9)
+    with pytest.raises(ValueError, match="got 0"):
+        cache.window(0)
+    with pytest.raises(TypeError, match="length must be an int, got Tensor"):
+        cache.window(torch.tensor(3))  # type: ignore[arg-type]
+    position = torch.tensor([2])
+    with pytest.raises(ValueError, match=r"window must be bool \[B=2, n\].*torch.int64 \(2, 3\)"):
+        cache.prepare(position, torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"window must be bool.*\(1, 3\)"):
+        cache.prepare(position, torch.zeros(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="covers 9 slots, the cache has capacity=8"):
+        cache.prepare(position, torch.zeros(2, 9, dtype=torch.bool))
     alibi = DecoderOnlyLM(DecoderOnlyConfig(vocab_size=V, d_model=16, positional="alibi"))
     with pytest.raises(ValueError, match="positional='alibi'"):
         alibi.generate(torch.ones(1, 3, dtype=torch.long), 2, compile=True)

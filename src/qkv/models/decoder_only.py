@@ -164,13 +164,14 @@ class DecoderOnlyLM(nn.Module):
         cache_position: Tensor,
         *,
         logits_to_keep: int = 0,
+        window: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits with a fixed-shape cache: the step :func:`torch.compile` compiles
         once (no Python int depends on the step, no value is read on the host).
 
-        Each token attends over all ``C`` slots of ``kv_cache``, those after its own and the
-        prompt's padding (recorded by :meth:`StaticKVCache.start`) blocked; its position is its
-        slot minus its row's left padding, as in :meth:`forward`.
+        Each token attends over all ``C`` slots of ``kv_cache`` (or the ``n`` of ``window``),
+        those after its own and the prompt's padding (recorded by :meth:`StaticKVCache.start`)
+        blocked; its position is its slot minus its row's left padding, as in :meth:`forward`.
 
         Args:
             ids: ``[B, T]`` new token ids (not checked: check them before, outside the graph).
@@ -178,13 +179,17 @@ class DecoderOnlyLM(nn.Module):
             cache_position: long ``[T]``, the slots of ``ids`` (``arange(T0)`` for the prompt,
                 then ``[T0 + step]``).
             logits_to_keep: as :meth:`forward`.
+            window: ``kv_cache.window(n)``: attend over the first ``n`` slots only, which
+                must hold every slot of ``cache_position`` (:meth:`StaticKVCache.prepare`);
+                None: all ``C``.
 
         Returns:
             logits ``[B, T, V]`` (``[B, logits_to_keep, V]``).
 
         Raises:
             ValueError: ALiBi or relative positions (their biases are built for the cached keys
-                only; use :meth:`forward` with a :class:`KVCache`).
+                only; use :meth:`forward` with a :class:`KVCache`); a ``window`` that is not
+                bool ``[B, n <= C]``.
         """
         c = self.config
         if c.positional in ("alibi", "relative"):
@@ -192,7 +197,7 @@ class DecoderOnlyLM(nn.Module):
                 f"forward_static supports absolute and rotary positions, got "
                 f"positional={c.positional!r}; use forward with a KVCache"
             )
-        mask, positions = kv_cache.prepare(cache_position)  # [B, 1, T, C], [B, T]
+        mask, positions = kv_cache.prepare(cache_position, window)  # [B, 1, T, n], [B, T]
         x = self.embed(ids)  # [B, T, D]
         x, pos = position_inputs(self.positional, x, 0, causal=True, positions=positions)
         x = self.embed_dropout(x)  # [B, T, D]

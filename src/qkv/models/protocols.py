@@ -56,8 +56,10 @@ class DecoderOnlyModel(Protocol):
         cache_position: Tensor,
         *,
         logits_to_keep: int = 0,
+        window: Tensor | None = None,
     ) -> Tensor:
-        """``[B, T]`` ids at slots ``cache_position`` ``[T]`` -> logits ``[B, T, V]``."""
+        """``[B, T]`` ids at slots ``cache_position`` ``[T]`` -> logits ``[B, T, V]``, attending
+        over the slots of ``window`` (``kv_cache.window(n)``) or all of them (None)."""
         ...
 
 

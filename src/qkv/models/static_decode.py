@@ -62,12 +62,19 @@ __all__ = ["CAPACITY_STEP", "StaticDecoder", "static_capacity"]
 CAPACITY_STEP = 64
 """Cache slots are allocated in multiples of this, so nearby prompt lengths share a graph."""
 
-Step = Callable[[DecoderOnlyModel, Tensor, StaticKVCache, Tensor], Tensor]
+Step = Callable[[DecoderOnlyModel, Tensor, StaticKVCache, Tensor, Tensor | None], Tensor]
 
 
-def _step(model: DecoderOnlyModel, ids: Tensor, cache: StaticKVCache, position: Tensor) -> Tensor:
-    """One decoding step: ``[B, 1]`` tokens at slot ``position`` -> ``[B, V]`` logits."""
-    return model.forward_static(ids, cache, position)[:, -1]  # [B, V]
+def _step(
+    model: DecoderOnlyModel,
+    ids: Tensor,
+    cache: StaticKVCache,
+    position: Tensor,
+    window: Tensor | None,
+) -> Tensor:
+    """One decoding step: ``[B, 1]`` tokens at slot ``position`` -> ``[B, V]`` logits, attending
+    over the slots of ``window`` (all with None)."""
+    return model.forward_static(ids, cache, position, window=window)[:, -1]  # [B, V]
 
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
@@ -95,9 +102,15 @@ def _fresh_step() -> Step:
 def _frozen(step: Step) -> Step:
     """``step`` called under inductor freezing (each call: a guard failure recompiles in it)."""
 
-    def call(model: DecoderOnlyModel, ids: Tensor, cache: StaticKVCache, pos: Tensor) -> Tensor:
+    def call(
+        model: DecoderOnlyModel,
+        ids: Tensor,
+        cache: StaticKVCache,
+        pos: Tensor,
+        window: Tensor | None,
+    ) -> Tensor:
         with inductor_config.patch(freezing=True):
-            return step(model, ids, cache, pos)
+            return step(model, ids, cache, pos, window)
 
     return call
 
@@ -111,18 +124,30 @@ class _Forward(nn.Module):
         self.model = model
 
     def forward(
-        self, ids: Tensor, cache: StaticKVCache, position: Tensor, logits_to_keep: int = 0
+        self,
+        ids: Tensor,
+        cache: StaticKVCache,
+        position: Tensor,
+        window: Tensor | None,
+        logits_to_keep: int = 0,
     ) -> Tensor:
         """``[B, T]`` tokens at slots ``position`` -> the last column's logits ``[B, V]``."""
         model = cast(DecoderOnlyModel, self.model)
-        return model.forward_static(ids, cache, position, logits_to_keep=logits_to_keep)[:, -1]
+        keep = logits_to_keep
+        logits = model.forward_static(ids, cache, position, logits_to_keep=keep, window=window)
+        return logits[:, -1]  # [B, V]
 
 
 def _relaid_step(
-    wrapper: _Forward, weights: dict[str, Tensor], ids: Tensor, cache: StaticKVCache, pos: Tensor
+    wrapper: _Forward,
+    weights: dict[str, Tensor],
+    ids: Tensor,
+    cache: StaticKVCache,
+    pos: Tensor,
+    window: Tensor | None,
 ) -> Tensor:
     """:func:`_step` with ``weights`` (by ``wrapper``'s names) in place of the model's."""
-    return torch.func.functional_call(wrapper, weights, (ids, cache, pos))  # [B, V]
+    return torch.func.functional_call(wrapper, weights, (ids, cache, pos, window))  # [B, V]
 
 
 _RELAID: weakref.WeakKeyDictionary[nn.Module, tuple[Fingerprint, dict[str, Tensor]]] = (
@@ -259,7 +284,7 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
                 _relaid_step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}
             )
         run, wrapper, weights = _COMPILED["cpu"], _Forward(model), relaid_weights(model)
-        return lambda _, ids, cache, pos: run(wrapper, weights, ids, cache, pos)
+        return lambda _, ids, cache, pos, window: run(wrapper, weights, ids, cache, pos, window)
     now = fingerprint(model)
     known = _FROZEN.get(model)
     if known is None or known[0] != now:
@@ -283,6 +308,12 @@ class StaticDecoder:
         capacity: C (see :func:`static_capacity`).
         compile: compile the step (``torch.compile(fullgraph=True)``; on the CPU with the
             weights frozen, see :func:`compiled_step`).
+
+    The prompt attends over its own slots and, on the CPU, each step over the slots written so
+    far (:meth:`StaticKVCache.window`, its length marked dynamic so that the step still
+    compiles once), not over all ``C``: at 64 new tokens after 16 (``C = 128``) that made
+    GPT-2 small's compiled decoding 2-3% faster at B=1 and 9% at B=8 (2 threads). On CUDA a
+    step reads all ``C`` slots: CUDA graphs record one graph per shape.
     """
 
     def __init__(
@@ -292,6 +323,7 @@ class StaticDecoder:
         self.cache = model.new_static_cache(batch_size, capacity)
         device = self.cache.padding.device
         self._step: Step = compiled_step(model, device, batch_size) if compile else _step
+        self._windowed, self._dynamic = device.type == "cpu", compile and device.type == "cpu"
         # one row on the CPU: the prompt too reads the column-major copies the step reads
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
@@ -304,15 +336,20 @@ class StaticDecoder:
         """
         self.cache.start(is_pad)
         slots = torch.arange(ids.shape[1], device=ids.device)  # [T0]
+        window = self.cache.window(ids.shape[1])  # [B, T0]
         if self._prefill_weights is not None:
             forward = _Forward(self.model)  # type: ignore[arg-type]
-            args = (ids, self.cache, slots, 1)
+            args = (ids, self.cache, slots, window, 1)
             return torch.func.functional_call(forward, self._prefill_weights, args)  # [B, V]
-        return self.model.forward_static(ids, self.cache, slots, logits_to_keep=1)[:, -1]  # [B, V]
+        logits = self.model.forward_static(ids, self.cache, slots, logits_to_keep=1, window=window)
+        return logits[:, -1]  # [B, V]
 
     def step(self, tokens: Tensor, slot: int) -> Tensor:
         """One step: ``[B]`` tokens written at ``slot`` -> logits ``[B, V]``."""
         position = torch.full((1,), slot, dtype=torch.long, device=tokens.device)  # [1]
-        logits = self._step(self.model, tokens[:, None], self.cache, position)  # [B, V]
+        window = self.cache.window(slot + 1) if self._windowed else None  # [B, slot + 1]
+        if window is not None and self._dynamic:
+            torch._dynamo.mark_dynamic(window, 1)  # one graph for every step's length
+        logits = self._step(self.model, tokens[:, None], self.cache, position, window)  # [B, V]
         # CUDA graphs reuse their output buffer: keep this step's logits
         return logits.clone() if logits.device.type == "cuda" else logits

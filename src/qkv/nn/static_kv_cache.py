@@ -8,6 +8,11 @@ layer's storage is allocated once, ``[B, Hkv, C, Dh]``; a step writes its keys/v
 mask that blocks the slots after each query (unwritten or future) and the prompt's padding. The
 shapes of a step never change, so its graph compiles once.
 
+Or over the first ``n`` slots only, those written so far: a step given a :meth:`window` of
+``n`` slots reads ``n`` keys and values per layer instead of ``C``. Its length is the one shape
+that changes from step to step; marked dynamic (``torch._dynamo.mark_dynamic``), it still
+compiles once (:class:`~qkv.models.static_decode.StaticDecoder` does this on the CPU).
+
 The model calls :meth:`StaticKVCache.prepare` once per step, before its layers (it returns that
 mask and each token's position); each self-attention layer then calls :meth:`update`.
 Cross-attention (an encoder–decoder) is not cached here.
@@ -65,6 +70,7 @@ class StaticKVCache:
         self.padding = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, C]
         self.pad_count = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self._position: Tensor | None = None  # [T] slots of the current step
+        self._length = capacity  # n, the slots the current step attends over
 
     @property
     def batch_size(self) -> int:
@@ -84,7 +90,7 @@ class StaticKVCache:
         """
         self.padding.zero_()
         self.pad_count.zero_()
-        self._position = None
+        self._position, self._length = None, self.capacity
         if is_pad is None:
             return
         rows, length = is_pad.shape  # [B, T0]
@@ -96,28 +102,70 @@ class StaticKVCache:
         self.padding[:, :length] = is_pad
         self.pad_count.copy_(is_pad.sum(dim=1))
 
-    def prepare(self, cache_position: Tensor) -> tuple[Tensor, Tensor]:
+    def window(self, length: int) -> Tensor:
+        """The first ``length`` slots, for :meth:`prepare`: a step given them attends over
+        those slots only, not all ``C``.
+
+        A step whose last token goes to slot ``s`` needs ``length = s + 1`` (every later slot
+        is blocked for it anyway); the prompt needs its length ``T0``.
+
+        Args:
+            length: n, ``1 <= n <= C``.
+
+        Returns:
+            bool ``[B, n]``, the prompt's padding of those slots (a view of :attr:`padding`).
+
+        Raises:
+            TypeError: ``length`` not an int.
+            ValueError: ``length`` outside ``[1, C]``.
+        """
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        if not 1 <= length <= self.capacity:
+            raise ValueError(f"length must be in [1, capacity={self.capacity}], got {length}")
+        return self.padding[:, :length]  # [B, n]
+
+    def prepare(
+        self, cache_position: Tensor, window: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Set the slots this step writes; return its attention mask and its tokens' positions.
 
         Args:
             cache_position: long ``[T]``, the slot of each new token (``T0 + step`` when
                 decoding; ``arange(T0)`` for the prompt), the same for every row.
+            window: :meth:`window`, the ``n`` slots this step attends over; every slot of
+                ``cache_position`` must be among them (not checked: no value is read on the
+                host). None: all ``C`` slots.
 
         Returns:
-            ``(mask, positions)``: bool ``[B, 1, T, C]``, True = blocked (slots after the
-            query's, and the prompt's padding); long ``[B, T]``, each token's position within
-            its row's real tokens (its slot minus the row's left padding; 0 for a padding
-            token, whose output nobody reads).
+            ``(mask, positions)``: bool ``[B, 1, T, n]`` (``n = C`` without a window), True =
+            blocked (slots after the query's, and the prompt's padding); long ``[B, T]``, each
+            token's position within its row's real tokens (its slot minus the row's left
+            padding; 0 for a padding token, whose output nobody reads).
+
+        Raises:
+            ValueError: a ``window`` that is not bool ``[B, n]`` with ``n <= C``.
         """
-        self._position = cache_position
-        slots = torch.arange(self.capacity, device=cache_position.device)  # [C]
-        after = slots[None, :] > cache_position[:, None]  # [T, C]
-        mask = after[None, None] | self.padding[:, None, None, :]  # [B, 1, T, C]
+        pad = self.padding if window is None else window  # [B, n]
+        if pad.dtype != torch.bool or pad.dim() != 2 or pad.shape[0] != self.batch_size:
+            raise ValueError(
+                f"window must be bool [B={self.batch_size}, n] (StaticKVCache.window), got "
+                f"{pad.dtype} {tuple(pad.shape)}"
+            )
+        if pad.shape[1] > self.capacity:
+            raise ValueError(
+                f"window covers {pad.shape[1]} slots, the cache has capacity={self.capacity}"
+            )
+        self._position, self._length = cache_position, pad.shape[1]
+        slots = torch.arange(pad.shape[1], device=cache_position.device)  # [n]
+        after = slots[None, :] > cache_position[:, None]  # [T, n]
+        mask = after[None, None] | pad[:, None, None, :]  # [B, 1, T, n]
         positions = (cache_position[None, :] - self.pad_count[:, None]).clamp(min=0)  # [B, T]
         return mask, positions
 
     def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write one layer's new keys/values at the step's slots; return all ``C`` slots.
+        """Write one layer's new keys/values at the step's slots; return the ``n`` slots the
+        step attends over (all ``C`` unless :meth:`prepare` was given a window).
 
         Args:
             layer_idx: which layer.
@@ -125,7 +173,7 @@ class StaticKVCache:
             v: ``[B, Hkv, T, Dh]``.
 
         Returns:
-            ``(keys, values)``, each ``[B, Hkv, C, Dh]`` (the storage itself).
+            ``(keys, values)``, each ``[B, Hkv, n, Dh]`` (views of the storage).
 
         Raises:
             RuntimeError: :meth:`prepare` was not called for this step, or a layer out of range.
@@ -138,7 +186,8 @@ class StaticKVCache:
             )
         self.keys[layer_idx].index_copy_(2, self._position, k)
         self.values[layer_idx].index_copy_(2, self._position, v)
-        return self.keys[layer_idx], self.values[layer_idx]  # [B, Hkv, C, Dh] x 2
+        n = self._length
+        return self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n]  # [B, Hkv, n, Dh]
 
     def get_cross(self, layer_idx: int) -> tuple[Tensor, Tensor] | None:
         """Cross-attention is not cached here.
