@@ -69,6 +69,7 @@ class StaticKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.padding = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, C]
         self.pad_count = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.has_padding = False  # whether the prompt of :meth:`start` had any padding
         self._position: Tensor | None = None  # [T] slots of the current step
         self._length = capacity  # n, the slots the current step attends over
 
@@ -90,6 +91,7 @@ class StaticKVCache:
         """
         self.padding.zero_()
         self.pad_count.zero_()
+        self.has_padding = False
         self._position, self._length = None, self.capacity
         if is_pad is None:
             return
@@ -101,6 +103,7 @@ class StaticKVCache:
             )
         self.padding[:, :length] = is_pad
         self.pad_count.copy_(is_pad.sum(dim=1))
+        self.has_padding = bool(self.pad_count.any())
 
     def window(self, length: int) -> Tensor:
         """The first ``length`` slots, for :meth:`prepare`: a step given them attends over
