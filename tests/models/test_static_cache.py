@@ -1,6 +1,7 @@
 """The static KV cache and the compiled decode step: the same tokens as the growing KVCache on
 left-padded batches (rotary GQA and learned positions, greedy and seeded sampling), one graph
-over 256 steps with no graph break and no recompile, and the misuses it refuses."""
+over 256 steps and across capacities with no graph break and no recompile, the window of
+written slots, and the misuses it refuses."""
 
 import mmap
 
@@ -135,9 +136,11 @@ def test_compiled_step_is_one_graph_over_256_steps(
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = model.generate(ids, 256, padding_mask=pad, greedy=True, compile=True)
         shorter = model.generate(ids[:, 2:], 256, padding_mask=pad[:, 2:], compile=True)
+        bigger = model.generate(ids, 20, padding_mask=pad, greedy=True, compile=True)  # C=64
+    assert torch.equal(bigger, got[:, :27])  # another capacity: the same graph (C is dynamic)
     assert got.shape == (rows, 263)
     assert torch.equal(got[:, :27], model.generate(ids, 20, padding_mask=pad, greedy=True))
-    assert shorter.shape == (rows, 261)  # another prompt length, the same capacity: no recompile
+    assert shorter.shape == (rows, 261)  # another prompt length: no recompile
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]

@@ -6,7 +6,10 @@ tokens, a ``[1]`` cache position tensor, ``C`` cache slots), compiled once with
 ``torch.compile(fullgraph=True)`` and reused for every step and every later generation of the
 same batch size and capacity. The capacity is rounded up to a multiple of :data:`CAPACITY_STEP`
 so that prompts of nearby lengths share one compiled step. On CUDA the step is compiled with
-``mode="reduce-overhead"`` (CUDA graphs).
+``mode="reduce-overhead"`` (CUDA graphs). On the CPU two lengths are dynamic instead
+(``torch._dynamo.mark_dynamic``): the slots a step attends over (those written so far) and the
+capacity, so that one step serves every step and every prompt length (see
+:class:`StaticDecoder`).
 
 On the CPU the weights are laid out for reading few rows. MKL's unpacked ``sgemm`` on a few rows
 of ``x @ W.t()`` repacks ``W`` on each call; measured on GPT-2 small, one thread, a decoding
@@ -60,7 +63,8 @@ from qkv.nn.static_kv_cache import StaticKVCache
 __all__ = ["CAPACITY_STEP", "StaticDecoder", "static_capacity"]
 
 CAPACITY_STEP = 64
-"""Cache slots are allocated in multiples of this, so nearby prompt lengths share a graph."""
+"""Cache slots are allocated in multiples of this, so nearby prompt lengths share a graph
+(on CUDA; on the CPU every capacity shares one)."""
 
 Step = Callable[[DecoderOnlyModel, Tensor, StaticKVCache, Tensor, Tensor | None], Tensor]
 
@@ -312,8 +316,10 @@ class StaticDecoder:
     The prompt attends over its own slots and, on the CPU, each step over the slots written so
     far (:meth:`StaticKVCache.window`, its length marked dynamic so that the step still
     compiles once), not over all ``C``: at 64 new tokens after 16 (``C = 128``) that made
-    GPT-2 small's compiled decoding 2-3% faster at B=1 and 9% at B=8 (2 threads). On CUDA a
-    step reads all ``C`` slots: CUDA graphs record one graph per shape.
+    GPT-2 small's compiled decoding 2-3% faster at B=1 and 9% at B=8 (2 threads). The
+    capacity is marked dynamic as well, so on the CPU one compiled step serves every prompt
+    length (measured: no slower than a step compiled for its capacity). On CUDA a step reads
+    all ``C`` slots and compiles per capacity: CUDA graphs record one graph per shape.
     """
 
     def __init__(
@@ -324,6 +330,10 @@ class StaticDecoder:
         device = self.cache.padding.device
         self._step: Step = compiled_step(model, device, batch_size) if compile else _step
         self._windowed, self._dynamic = device.type == "cpu", compile and device.type == "cpu"
+        if self._dynamic:  # one graph for every capacity too
+            for t in (*self.cache.keys, *self.cache.values):
+                torch._dynamo.mark_dynamic(t, 2)  # [B, Hkv, C, Dh]
+            torch._dynamo.mark_dynamic(self.cache.padding, 1)  # [B, C]
         # one row on the CPU: the prompt too reads the column-major copies the step reads
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]

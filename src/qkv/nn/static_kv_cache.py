@@ -155,7 +155,7 @@ class StaticKVCache:
                 f"window must be bool [B={self.batch_size}, n] (StaticKVCache.window), got "
                 f"{pad.dtype} {tuple(pad.shape)}"
             )
-        if pad.shape[1] > self.capacity:
+        if pad.shape[1] > self.padding.shape[1]:  # (the capacity, as a shape: it may be dynamic)
             raise ValueError(
                 f"window covers {pad.shape[1]} slots, the cache has capacity={self.capacity}"
             )
