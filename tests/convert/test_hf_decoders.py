@@ -166,6 +166,33 @@ def test_gpt2_greedy_32_tokens_with_kv_cache(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_linear_weights_keep_the_conv1d_layout(tied: bool, tmp_path: Path) -> None:
+    """The Linear weights of a loaded GPT-2 are stored as its Conv1D stores them ([in, out]
+    contiguous), the tied head as the embedding's rows; a float64 load keeps the layout."""
+    ref = _gpt2(4, tied=tied)
+    ours = load_hf(_saved(ref, tmp_path / "hf"))
+    assert isinstance(ours, DecoderOnlyLM)
+    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        N = m.weight.shape[0]
+        if m.weight is ours.lm_head.weight and tied:
+            assert m.weight.is_contiguous()  # the embedding's rows
+        else:
+            assert m.weight.stride() == (1, N), m
+    conv = ref.transformer.h[0].mlp.c_fc.weight  # [in, out]
+    fc1 = dict(ours.named_parameters())["blocks.layers.0.ffn.fc1.weight"]  # [out, in]
+    assert torch.equal(fc1.t(), conv)
+    wide = load_hf(_saved(ref, tmp_path / "hf64"), dtype=torch.float64)
+    assert dict(wide.named_parameters())["blocks.layers.0.ffn.fc1.weight"].stride() == (
+        1,
+        conv.shape[1],
+    )
+    ids = torch.randint(1, V, (2, 7))
+    with torch.no_grad():  # the same values: the logits of transformers
+        torch.testing.assert_close(ours(ids), ref(ids).logits, **TOL)
+
+
+@pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("kv", [1, 4])
 def test_save_hf_loads_in_transformers_with_same_logits(
     tied: bool, kv: int, tmp_path: Path

@@ -4,6 +4,11 @@ GPT-2 stores its linear layers as ``Conv1D``: weights ``[in, out]``, the transpo
 ``nn.Linear``'s, and the query/key/value projections fused into one ``c_attn`` of width ``3D``;
 both are undone here. Learned absolute positions, LayerNorm pre-norm blocks, the tanh GELU
 (``gelu_new``), biases everywhere, a head tied to the token embedding.
+
+The loaded ``nn.Linear`` weights keep ``Conv1D``'s memory layout (:func:`keep_conv1d_layout`):
+``[out, in]`` values stored column-major, so ``x @ W.t()`` reads a contiguous ``[in, out]``,
+which MKL multiplies few rows by faster (eager decoding of GPT-2 small at B=8, 2 threads:
+0.76x the time).
 """
 
 from __future__ import annotations
@@ -11,13 +16,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import nn
+
 from qkv.convert.hf_files import Rule, decoder_config
 from qkv.convert.hf_tokens import token_id
 from qkv.convert.hf_values import hf_bool, hf_float, hf_int, hf_str
 from qkv.models.config import DecoderOnlyConfig
 from qkv.nn.feed_forward import Activation
 
-__all__ = ["IGNORED", "LAYERS_KEY", "MODEL_TYPES", "PREFIX", "config_from_hf", "rules"]
+__all__ = [
+    "IGNORED",
+    "LAYERS_KEY",
+    "MODEL_TYPES",
+    "PREFIX",
+    "config_from_hf",
+    "keep_conv1d_layout",
+    "rules",
+]
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
 PREFIX = "transformer."
@@ -108,3 +123,14 @@ def rules(c: DecoderOnlyConfig) -> list[Rule]:
     if not c.tie_embeddings:
         out.append(Rule("lm_head.weight", ("lm_head.weight",)))
     return out
+
+
+def keep_conv1d_layout(model: nn.Module) -> None:
+    """Store every ``nn.Linear`` weight of ``model`` column-major, as GPT-2's ``Conv1D`` stores
+    it (the same ``[out, in]`` values, strides ``(1, out)``), in place. A weight shared with an
+    ``nn.Embedding`` (the tied head) keeps its rows contiguous: the embedding reads rows.
+    """
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in embedded:
+            m.weight.data = m.weight.data.t().contiguous().t()  # [out, in], strides (1, out)

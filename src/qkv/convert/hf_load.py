@@ -120,6 +120,8 @@ def load_hf(
         model = hf_t5.load_t5(root)
     else:
         model = _load_decoder(root, kind)
+        if kind in hf_gpt2.MODEL_TYPES:
+            hf_gpt2.keep_conv1d_layout(model)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for m in model.modules():
