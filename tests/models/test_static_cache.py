@@ -62,6 +62,23 @@ def test_static_cache_gives_the_dynamic_cache_tokens(kind: str) -> None:
         assert torch.equal(runs[0], runs[1]), opts
 
 
+def _static_logits(
+    model: DecoderOnlyLM, ids: torch.Tensor, cache: StaticKVCache, windowed: bool
+) -> torch.Tensor:
+    """The logits of ``ids`` ``[B, 7]`` through ``cache``: a 4-token prompt, then 3 single steps,
+    each given the window of the slots written so far (``windowed``) or all slots."""
+
+    def window(n: int) -> torch.Tensor | None:
+        return cache.window(n) if windowed else None
+
+    head = model.forward_static(ids[:, :4], cache, torch.arange(4), window=window(4))
+    tail = [
+        model.forward_static(ids[:, t : t + 1], cache, torch.tensor([t]), window=window(t + 1))
+        for t in (4, 5, 6)
+    ]
+    return torch.cat([head, *tail], dim=1)  # [B, 7, V]
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_forward_static_logits_match_forward(kind: str) -> None:
     model = _model(kind)
@@ -70,12 +87,8 @@ def test_forward_static_logits_match_forward(kind: str) -> None:
         want = model(ids, pad)  # [B, T0, V]
         cache = model.new_static_cache(3, 64)
         cache.start(pad)
-        head = model.forward_static(ids[:, :4], cache, torch.arange(4))
-        tail = [
-            model.forward_static(ids[:, t : t + 1], cache, torch.tensor([t])) for t in (4, 5, 6)
-        ]
+        got = _static_logits(model, ids, cache, windowed=False)
         last = model(ids, pad, logits_to_keep=2)  # [B, 2, V]: the prefill's head on 2 rows
-    got = torch.cat([head, *tail], dim=1)
     real = ~pad
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1.3e-6)
     torch.testing.assert_close(last, want[:, -2:], atol=1e-5, rtol=1.3e-6)
@@ -94,19 +107,9 @@ def test_a_window_reads_only_the_slots_written(kind: str) -> None:
         for layer in range(cache.num_layers):
             cache.keys[layer][:, :, 7:] = float("nan")
             cache.values[layer][:, :, 7:] = float("nan")
-        head = model.forward_static(ids[:, :4], cache, torch.arange(4), window=cache.window(4))
-        tail = [
-            model.forward_static(
-                ids[:, t : t + 1], cache, torch.tensor([t]), window=cache.window(t + 1)
-            )
-            for t in (4, 5, 6)
-        ]
-        k, v = cache.update(
-            0,
-            torch.zeros(3, cache.keys[0].shape[1], 1, 8),
-            torch.zeros(3, cache.keys[0].shape[1], 1, 8),
-        )
-    got = torch.cat([head, *tail], dim=1)
+        got = _static_logits(model, ids, cache, windowed=True)
+        new = torch.zeros(3, cache.keys[0].shape[1], 1, 8)  # [B, Hkv, 1, Dh]
+        k, v = cache.update(0, new, new)
     real = ~pad
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1.3e-6)
     assert k.shape[2] == v.shape[2] == 7  # the last step's window: 7 of 64 slots
