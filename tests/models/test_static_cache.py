@@ -121,7 +121,9 @@ def test_compiled_step_is_one_graph_over_256_steps(
 ) -> None:
     """Dynamo's view (fullgraph, guards, recompiles) with its eager backend: inductor's code
     generation (tens of seconds on this CPU) is what benchmarks/decode.py times. One row runs on
-    the relaid copies (packed projections set on the modules inside the graph)."""
+    the relaid copies (packed projections set on the modules inside the graph). A streamer
+    keeps dynamo's guard check on every step (``generate`` without one checks the first step
+    only), so that a recompile at any step would raise."""
     compile_ = torch.compile
     options: list[object] = []
 
@@ -136,10 +138,11 @@ def test_compiled_step_is_one_graph_over_256_steps(
     model = _model("llama", max_positions=512)
     ids, pad = _prompts()
     ids, pad = ids[:rows], pad[:rows]  # [rows, T0]; row 0 has no padding
+    checked = {"streamer": lambda t: None, "compile": True}  # every step's guards checked
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got = model.generate(ids, 256, padding_mask=pad, greedy=True, compile=True)
-        shorter = model.generate(ids[:, 2:], 256, padding_mask=pad[:, 2:], compile=True)
-        bigger = model.generate(ids, 20, padding_mask=pad, greedy=True, compile=True)  # C=64
+        got = model.generate(ids, 256, padding_mask=pad, greedy=True, **checked)
+        shorter = model.generate(ids[:, 2:], 256, padding_mask=pad[:, 2:], **checked)
+        bigger = model.generate(ids, 20, padding_mask=pad, greedy=True, **checked)  # C=64
     assert torch.equal(bigger, got[:, :27])  # another capacity: the same graph (C is dynamic)
     assert got.shape == (rows, 263)
     assert torch.equal(got[:, :27], model.generate(ids, 20, padding_mask=pad, greedy=True))
@@ -354,3 +357,72 @@ def test_inductor_step_follows_weight_changes(rows: int, new: int) -> None:
     again = model.generate(ids, new, padding_mask=pad, greedy=True, compile=True)
     assert torch.equal(again, model.generate(ids, new, padding_mask=pad, greedy=True))
     assert not torch.equal(again, first)
+
+
+def _stances(decoder: static_decode.StaticDecoder, steps: int) -> list[bool]:
+    """Whether dynamo's guard check was skipped during each of ``steps`` steps of ``decoder``
+    (its compiled step replaced by the eager one, which records the stance it runs under)."""
+    seen: list[bool] = []
+
+    def recording(*args):  # type: ignore[no-untyped-def]
+        seen.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        return static_decode._step(*args)
+
+    decoder._step = recording
+    ids = _prompts()[0][:1]  # [1, T0]
+    decoder.prefill(ids, None)
+    for s in range(steps):
+        decoder.step(ids[:, -1], ids.shape[1] + s)
+    return seen
+
+
+def test_only_an_unattended_decoder_skips_the_guards_after_its_first_step() -> None:
+    """skip_guards: the first step is checked in full, the later ones skip the check; without
+    it every step is checked; under a stance of the caller's own (force_eager) it is kept."""
+    model = _model("llama")
+    on = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+    assert _stances(on, 3) == [False, True, True]
+    off = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=False)
+    assert _stances(off, 3) == [False, False, False]
+    eager = static_decode.StaticDecoder(model, 1, 64, compile=False, skip_guards=True)
+    assert _stances(eager, 2) == [False, False]  # nothing compiled: no guards to skip
+    with torch.compiler.set_stance("force_eager"):
+        kept = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+        assert _stances(kept, 2) == [False, False]
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # not overridden
+    assert torch._dynamo.eval_frame._stance == torch._dynamo.eval_frame.DynamoStance()
+
+
+def test_generate_skips_the_guards_only_without_a_streamer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """generate() runs no user code between steps; a streamer and stream() do."""
+    made: list[bool] = []
+    init = static_decode.StaticDecoder.__init__
+
+    def recording(self, *args, skip_guards: bool = False, **kw):  # type: ignore[no-untyped-def]
+        made.append(skip_guards)
+        init(self, *args, skip_guards=skip_guards, **kw)
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "__init__", recording)
+    model = _model("llama")
+    ids = _prompts()[0][:1]  # [1, T0]
+    model.generate(ids, 3, greedy=True, static_cache=True)
+    model.generate(ids, 3, greedy=True, static_cache=True, streamer=lambda t: None)
+    list(model.stream(ids, 3, greedy=True, static_cache=True))
+    assert made == [True, False, False]
+
+
+def test_skipped_guards_still_tell_models_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B = 1 shares one compiled step among models (dynamo's eager backend): with the later
+    steps' guards skipped, two models of different shapes decoded in turn each still give the
+    eager path's tokens (each generation's first step is checked in full and picks its graph)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    torch._dynamo.reset()
+    ids = _prompts()[0][:1]  # [1, T0]
+    models = [_model("llama"), _model("gpt2")]
+    want = [m.generate(ids, 12, greedy=True) for m in models]
+    for m, w in [*zip(models, want, strict=True)] * 2:
+        assert torch.equal(m.generate(ids, 12, greedy=True, compile=True), w)

@@ -70,7 +70,10 @@ class GenerateOptions(TypedDict, total=False):
         compile: also compile the decoding step with ``torch.compile(fullgraph=True)`` (implies
             ``static_cache``): it compiles once per batch size and cache capacity
             (:mod:`qkv.models.static_decode`), then every step reuses the graph. The eager path
-            stays the default.
+            stays the default. On the CPU, ``generate`` without a ``streamer`` checks dynamo's
+            guards on a generation's first step only: no code of the caller's runs between
+            its steps, so nothing can change what the guards check (``stream`` and a
+            ``streamer`` keep the check on every step).
     """
 
     padding_mask: Tensor | None
@@ -329,6 +332,7 @@ def stream_decoder_only(
     generator: torch.Generator | None,
     static_cache: bool = False,
     compile: bool = False,
+    unattended: bool = False,
     **options: object,
 ) -> Iterator[Tensor]:
     """Check everything, then return the loop that yields each step's tokens; see
@@ -338,6 +342,9 @@ def stream_decoder_only(
         model: the language model.
         ids, max_new_tokens, padding_mask, generator, static_cache, compile: as
             :meth:`DecoderOnlyLM.stream`.
+        unattended: the caller runs none of its user's code between steps (``generate``
+            without a streamer), so a compiled step checks dynamo's guards on its first call
+            only (``StaticDecoder``'s ``skip_guards``).
         options: the keywords of :meth:`DecodingOptions.check` (``eos_id`` already defaulted).
 
     Returns:
@@ -357,8 +364,10 @@ def stream_decoder_only(
             f"static_cache / compile support absolute and rotary positions, got "
             f"positional={c.positional!r}"
         )
+    capacity = static_capacity(ids.shape[1], n)
+    skip = check_bool("unattended", unattended)
     decoder = (
-        StaticDecoder(model, ids.shape[0], static_capacity(ids.shape[1], n), compile=compile)
+        StaticDecoder(model, ids.shape[0], capacity, compile=compile, skip_guards=skip)
         if static
         else None
     )
@@ -422,7 +431,13 @@ def generate_decoder_only(
     """
     if streamer is not None and not callable(streamer):
         raise TypeError(f"streamer must be a callable taking a [B] tensor, got {streamer!r}")
-    steps = stream_decoder_only(model, ids, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+    steps = stream_decoder_only(
+        model,
+        ids,
+        max_new_tokens,
+        unattended=streamer is None,
+        **kwargs,  # type: ignore[arg-type]
+    )
     out = [ids]
     for nxt in steps:
         if streamer is not None:
