@@ -4,10 +4,13 @@ over 256 steps and across capacities with no graph break and no recompile, the w
 written slots, and the misuses it refuses."""
 
 import mmap
+import threading
 
 import pytest
 import torch
 from torch.func import functional_call
+from tqdm import tqdm
+from tqdm._monitor import TMonitor
 
 import qkv.models.static_decode as static_decode
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
@@ -378,14 +381,33 @@ def _stances(decoder: static_decode.StaticDecoder, steps: int) -> list[bool]:
 
 def test_only_an_unattended_decoder_skips_the_guards_after_its_first_step() -> None:
     """skip_guards: the first step is checked in full, the later ones skip the check; without
-    it every step is checked; under a stance of the caller's own (force_eager) it is kept."""
+    it every step is checked; while another thread is alive, or under a stance of the
+    caller's own (force_eager), every step is checked too."""
     model = _model("llama")
+    me = threading.current_thread()
+    others = [t for t in threading.enumerate() if t is not me]
+    assert all(type(t).__module__.startswith("tqdm.") for t in others), others  # none here
     on = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
     assert _stances(on, 3) == [False, True, True]
+    monitor = TMonitor(tqdm, 10)  # tqdm's monitor thread (transformers' loading bars start it)
+    try:
+        monitored = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+        assert _stances(monitored, 3) == [False, True, True]
+    finally:
+        monitor.exit()
     off = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=False)
     assert _stances(off, 3) == [False, False, False]
     eager = static_decode.StaticDecoder(model, 1, 64, compile=False, skip_guards=True)
     assert _stances(eager, 2) == [False, False]  # nothing compiled: no guards to skip
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)  # another thread: the stance would reach it
+    other.start()
+    try:
+        kept = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+        assert _stances(kept, 2) == [False, False]
+    finally:
+        done.set()
+        other.join()
     with torch.compiler.set_stance("force_eager"):
         kept = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
         assert _stances(kept, 2) == [False, False]

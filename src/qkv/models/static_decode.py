@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -298,9 +299,17 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
 
 
 def _guards_skipped() -> contextlib.AbstractContextManager[object]:
-    """``torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)``, or nothing
-    when the caller has set a stance of its own (``force_eager``, a backend, ...), which a
-    ``"default"`` stance would override."""
+    """``torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)``, or nothing when
+    that could reach beyond this step: when the caller has set a stance of its own
+    (``force_eager``, a backend, ...), which a ``"default"`` stance would override, or when
+    another Python thread is alive (the stance is the process's, not the thread's: another
+    thread's compiled call, a first step of another model, would skip its check too; tqdm's
+    monitor, which ``transformers`` starts and which only refreshes progress bars, does not
+    count)."""
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not type(t).__module__.startswith("tqdm."):
+            return contextlib.nullcontext()
     now = getattr(torch._dynamo.eval_frame, "_stance", None)
     default = getattr(torch._dynamo.eval_frame, "DynamoStance", None)
     if now is None or default is None or now != default():
@@ -329,8 +338,9 @@ class StaticDecoder:
         skip_guards: compiled on the CPU, check dynamo's guards on the first step only; later
             steps run under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``. Only
             for a caller that runs no code of its user's between steps (``generate`` without a
-            ``streamer``): the guards check that the model, its weights and the cache are what
-            the graph was traced from, and nothing else can change them mid-generation. The
+            ``streamer``) and only while no other Python thread is alive: the guards check that
+            the model, its weights and the cache are what the graph was traced from, and
+            nothing else can change them mid-generation. The
             check took 0.5-0.6 ms of a ~17 ms step on GPT-2 small, B=1 (over 4,000 guards,
             most on the modules that ``functional_call`` walks); skipping it, 64 tokens took
             0.966x the time on 2 threads and 0.974x on 1 (B=8: 0.987x). A step that would
