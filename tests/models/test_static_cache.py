@@ -379,35 +379,42 @@ def _stances(decoder: static_decode.StaticDecoder, steps: int) -> list[bool]:
     return seen
 
 
-def test_only_an_unattended_decoder_skips_the_guards_after_its_first_step() -> None:
+def _threads(monkeypatch: pytest.MonkeyPatch, *others: threading.Thread) -> None:
+    """Let the decoder see this thread and ``others`` alive, whatever threads earlier tests of
+    this process left behind (idle pools, tqdm's monitor)."""
+    monkeypatch.setattr(threading, "enumerate", lambda: [threading.current_thread(), *others])
+
+
+def test_only_an_unattended_decoder_skips_the_guards_after_its_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """skip_guards: the first step is checked in full, the later ones skip the check; without
-    it every step is checked; while another thread is alive, or under a stance of the
-    caller's own (force_eager), every step is checked too."""
+    it every step is checked; while another thread is alive (tqdm's monitor aside), or under a
+    stance of the caller's own (force_eager), every step is checked too."""
     model = _model("llama")
-    me = threading.current_thread()
-    others = [t for t in threading.enumerate() if t is not me]
-    assert all(type(t).__module__.startswith("tqdm.") for t in others), others  # none here
+    _threads(monkeypatch)
     on = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
     assert _stances(on, 3) == [False, True, True]
-    monitor = TMonitor(tqdm, 10)  # tqdm's monitor thread (transformers' loading bars start it)
-    try:
-        monitored = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
-        assert _stances(monitored, 3) == [False, True, True]
-    finally:
-        monitor.exit()
     off = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=False)
     assert _stances(off, 3) == [False, False, False]
     eager = static_decode.StaticDecoder(model, 1, 64, compile=False, skip_guards=True)
     assert _stances(eager, 2) == [False, False]  # nothing compiled: no guards to skip
+    monitor = TMonitor(tqdm, 10)  # tqdm's monitor thread (transformers' loading bars start it)
     done = threading.Event()
     other = threading.Thread(target=done.wait)  # another thread: the stance would reach it
     other.start()
     try:
+        _threads(monkeypatch, monitor)
+        monitored = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+        assert _stances(monitored, 3) == [False, True, True]
+        _threads(monkeypatch, monitor, other)
         kept = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
         assert _stances(kept, 2) == [False, False]
     finally:
+        monitor.exit()
         done.set()
         other.join()
+    _threads(monkeypatch)
     with torch.compiler.set_stance("force_eager"):
         kept = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
         assert _stances(kept, 2) == [False, False]
@@ -443,6 +450,7 @@ def test_skipped_guards_still_tell_models_apart(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(static_decode, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
     torch._dynamo.reset()
+    _threads(monkeypatch)  # the later steps skip the check, whatever else this process runs
     ids = _prompts()[0][:1]  # [1, T0]
     models = [_model("llama"), _model("gpt2")]
     want = [m.generate(ids, 12, greedy=True) for m in models]
