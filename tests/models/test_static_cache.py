@@ -82,14 +82,23 @@ def _static_logits(
     return torch.cat([head, *tail], dim=1)  # [B, 7, V]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_forward_static_logits_match_forward(kind: str) -> None:
+def _started(
+    kind: str,
+) -> tuple[DecoderOnlyLM, torch.Tensor, torch.Tensor, torch.Tensor, StaticKVCache]:
+    """``(model, ids, pad, forward's logits [B, T0, V], a 64-slot cache started on pad)``."""
     model = _model(kind)
     ids, pad = _prompts()
     with torch.no_grad():
         want = model(ids, pad)  # [B, T0, V]
-        cache = model.new_static_cache(3, 64)
-        cache.start(pad)
+    cache = model.new_static_cache(3, 64)
+    cache.start(pad)
+    return model, ids, pad, want, cache
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_forward_static_logits_match_forward(kind: str) -> None:
+    model, ids, pad, want, cache = _started(kind)
+    with torch.no_grad():
         got = _static_logits(model, ids, cache, windowed=False)
         last = model(ids, pad, logits_to_keep=2)  # [B, 2, V]: the prefill's head on 2 rows
     real = ~pad
@@ -101,12 +110,8 @@ def test_forward_static_logits_match_forward(kind: str) -> None:
 def test_a_window_reads_only_the_slots_written(kind: str) -> None:
     """Each step given the window of the slots written so far: the logits of all ``C`` slots,
     and the slots after the window are never read (NaN there changes nothing)."""
-    model = _model(kind)
-    ids, pad = _prompts()
+    model, ids, pad, want, cache = _started(kind)
     with torch.no_grad():
-        want = model(ids, pad)  # [B, T0, V]
-        cache = model.new_static_cache(3, 64)
-        cache.start(pad)
         for layer in range(cache.num_layers):
             cache.keys[layer][:, :, 7:] = float("nan")
             cache.values[layer][:, :, 7:] = float("nan")
