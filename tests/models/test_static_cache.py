@@ -8,12 +8,14 @@ import threading
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 from torch.func import functional_call
 from tqdm import tqdm
 from tqdm._monitor import TMonitor
 
 import qkv.models.static_decode as static_decode
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
+from qkv.models.cpu_products import ProductsAsReductions
 from qkv.nn import MultiHeadAttention
 from qkv.nn.static_kv_cache import StaticKVCache
 
@@ -123,15 +125,18 @@ def test_a_window_reads_only_the_slots_written(kind: str) -> None:
     assert k.shape[2] == v.shape[2] == 7  # the last step's window: 7 of 64 slots
 
 
+@pytest.mark.parametrize("mkl", [True, False])
 @pytest.mark.parametrize("rows", [3, 1])
 def test_compiled_step_is_one_graph_over_256_steps(
-    monkeypatch: pytest.MonkeyPatch, rows: int
+    monkeypatch: pytest.MonkeyPatch, rows: int, mkl: bool
 ) -> None:
     """Dynamo's view (fullgraph, guards, recompiles) with its eager backend: inductor's code
     generation (tens of seconds on this CPU) is what benchmarks/decode.py times. One row runs on
     the relaid copies (packed projections set on the modules inside the graph). A streamer
     keeps dynamo's guard check on every step (``generate`` without one checks the first step
-    only), so that a recompile at any step would raise."""
+    only), so that a recompile at any step would raise. Off Intel (``mkl`` False) one row is
+    compiled with the products pass and several rows with a symbolic batch: fewer rows then
+    reuse the graph too."""
     compile_ = torch.compile
     options: list[object] = []
 
@@ -140,6 +145,7 @@ def test_compiled_step_is_one_graph_over_256_steps(
         return compile_(fn, **{**kw, "backend": "eager", "mode": None, "options": None})
 
     monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(static_decode, "mkl_reads_fast", lambda: mkl)
     monkeypatch.setattr(torch, "compile", recording)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -151,6 +157,11 @@ def test_compiled_step_is_one_graph_over_256_steps(
         got = model.generate(ids, 256, padding_mask=pad, greedy=True, **checked)
         shorter = model.generate(ids[:, 2:], 256, padding_mask=pad[:, 2:], **checked)
         bigger = model.generate(ids, 20, padding_mask=pad, greedy=True, **checked)  # C=64
+        if rows > 1 and not mkl:  # one row fewer: the same graph (B is dynamic)
+            fewer = model.generate(ids[1:], 20, padding_mask=pad[1:], greedy=True, **checked)
+            assert torch.equal(
+                fewer, model.generate(ids[1:], 20, padding_mask=pad[1:], greedy=True)
+            )
     assert torch.equal(bigger, got[:, :27])  # another capacity: the same graph (C is dynamic)
     assert got.shape == (rows, 263)
     assert torch.equal(got[:, :27], model.generate(ids, 20, padding_mask=pad, greedy=True))
@@ -159,7 +170,14 @@ def test_compiled_step_is_one_graph_over_256_steps(
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
     # one row: inductor writes the step's wrapper in C++; frozen batches keep the Python one
-    assert options == [{"cpp_wrapper": True} if rows == 1 else None]
+    assert len(options) == 1
+    if rows > 1:
+        assert options[0] is None
+    elif mkl:
+        assert options[0] == {"cpp_wrapper": True}
+    else:
+        assert isinstance(options[0], dict) and options[0].pop("cpp_wrapper") is True
+        assert [type(p) for p in options[0].values()] == [ProductsAsReductions]
 
 
 def test_misuse_is_refused() -> None:
@@ -234,7 +252,7 @@ def test_cpu_step_is_shared_until_the_weights_change(monkeypatch: pytest.MonkeyP
     static_decode.compiled_step(model, cpu, 1)
     relaid = copies[model][1]
     fused, covered = static_decode.fused_qkv_weights(model)
-    plain = static_decode.column_major_weights(model, skip=covered)
+    plain = static_decode.linear_weights(model, covered)
     assert set(relaid) == {f"model.{n}" for n in [*plain, *fused]}
     static_decode.compiled_step(model, cpu, 1)
     assert copies[model][1] is relaid  # the same weights: the same copies
@@ -247,36 +265,40 @@ def test_cpu_step_is_shared_until_the_weights_change(monkeypatch: pytest.MonkeyP
         static_decode.compiled_step(object(), cpu, 2)  # type: ignore[arg-type]
 
 
-def test_column_major_copies_hold_every_linear_weight_tied_head_included() -> None:
+@pytest.mark.parametrize("column_major", [True, False])
+def test_linear_weight_copies_hold_every_linear_weight_tied_head_included(
+    column_major: bool,
+) -> None:
     model = _model("gpt2")
-    weights = static_decode.column_major_weights(model)
+    weights = static_decode.linear_weights(model, column_major=column_major)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     params = dict(model.named_parameters())
     assert len(weights) == len({id(m.weight) for m in linears}) > 0
     for name, w in weights.items():
-        N = params[name].shape[0]
-        assert torch.equal(w, params[name]) and w.stride() == (1, N)
+        N, K = params[name].shape
+        assert torch.equal(w, params[name]) and w.stride() == ((1, N) if column_major else (K, 1))
         assert w.data_ptr() != params[name].data_ptr()
 
 
+@pytest.mark.parametrize("column_major", [True, False])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_fused_qkv_copies_stack_the_three_projections(kind: str) -> None:
+def test_fused_qkv_copies_stack_the_three_projections(kind: str, column_major: bool) -> None:
     model = _model(kind)
-    fused, covered = static_decode.fused_qkv_weights(model)
+    fused, covered = static_decode.fused_qkv_weights(model, column_major=column_major)
     attns = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     assert len(covered) == 3 * len(attns) > 0
     for path, m in attns:
         projs = (m.q_proj, m.k_proj, m.v_proj)
         w = fused[f"{path}.fused_qkv_weight"]
         assert torch.equal(w, torch.cat([p.weight for p in projs]))
-        assert w.stride() == (1, w.shape[0])  # column-major
+        assert w.stride() == ((1, w.shape[0]) if column_major else (w.shape[1], 1))
         bias = fused.get(f"{path}.fused_qkv_bias")
         if m.q_proj.bias is None:
             assert bias is None
         else:
             assert bias is not None and torch.equal(bias, torch.cat([p.bias for p in projs]))
         assert {f"{path}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")} <= covered
-    assert not set(static_decode.column_major_weights(model, skip=covered)) & covered
+    assert not set(static_decode.linear_weights(model, covered)) & covered
 
 
 def test_column_major_copies_lie_in_one_aligned_map() -> None:
@@ -298,6 +320,14 @@ def test_column_major_copies_lie_in_one_aligned_map() -> None:
     assert torch.equal(copies["col"], given["col"])  # no overlap between copies
     meta = static_decode.column_major_copies({"w": torch.empty(4, 6, device="meta")})
     assert meta["w"].stride() == (1, 4)  # off the CPU: a tensor of its own, same layout
+    rows = static_decode.huge_page_copies(given, column_major=False)
+    assert rows["col"].stride() == rows["row"].stride() == (32, 1)  # row-major
+    assert all(torch.equal(rows[n], t) for n, t in given.items())
+    assert len({t.untyped_storage().data_ptr() for t in rows.values()}) == 1
+    meta = static_decode.huge_page_copies(
+        {"w": torch.empty(4, 6, device="meta")}, column_major=False
+    )
+    assert meta["w"].stride() == (6, 1)
     with pytest.raises(ValueError, match=r"'cube' must be a vector or a matrix.*\(2, 2, 2\)"):
         static_decode.column_major_copies({"cube": torch.randn(2, 2, 2)})
 
@@ -349,16 +379,31 @@ def test_one_row_compiled_step_runs_on_the_copies(monkeypatch: pytest.MonkeyPatc
     )
 
 
+@pytest.mark.parametrize("mkl", [True, False])
 @pytest.mark.parametrize(("rows", "new"), [(3, 4), (1, 6)])
-def test_inductor_step_follows_weight_changes(rows: int, new: int) -> None:
+def test_inductor_step_follows_weight_changes(
+    monkeypatch: pytest.MonkeyPatch, rows: int, new: int, mkl: bool
+) -> None:
     """The real thing (inductor: ~8-10 s each here): B > 1 with the weights frozen into the
-    graph, B = 1 with its C++ wrapper on the column-major copies. After an in-place change of
-    every weight, compile=True decodes with the new weights, as the eager path does."""
+    graph (off Intel, ``mkl`` False: with a symbolic batch, so packed for oneDNN), B = 1 with
+    its C++ wrapper on the column-major copies (off Intel: on row-major copies, its products
+    rewritten as reductions). After an in-place change of every weight, compile=True decodes
+    with the new weights, as the eager path does."""
+    monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(static_decode, "mkl_reads_fast", lambda: mkl)
     model = _model("gpt2")
     ids, pad = _prompts()
     ids, pad = ids[:rows], pad[:rows]  # [rows, T0]; row 0 has no padding
-    first = model.generate(ids, new, padding_mask=pad, greedy=True, compile=True)
+    torch._dynamo.reset()  # the products' form is decided when the step compiles
+    first, codes = run_and_get_code(
+        model.generate, ids, new, padding_mask=pad, greedy=True, compile=True
+    )
     assert torch.equal(first, model.generate(ids, new, padding_mask=pad, greedy=True))
+    code = "\n".join(codes)
+    if rows > 1 and torch.backends.mkl.is_available():  # the weights' packing
+        assert ("_mkl_linear" in code) is mkl and ("_linear_pointwise" in code) is not mkl
+    elif rows == 1:  # MKL's product, or inductor's own loops
+        assert ("addmm" in code) is mkl
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)

@@ -57,6 +57,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
+from qkv.models.cpu_products import ProductsAsReductions, mkl_reads_fast
 from qkv.models.protocols import DecoderOnlyModel
 from qkv.nn.multihead import MultiHeadAttention
 from qkv.nn.static_kv_cache import StaticKVCache
@@ -155,22 +156,25 @@ def _relaid_step(
     return torch.func.functional_call(wrapper, weights, (ids, cache, pos, window))  # [B, V]
 
 
-_RELAID: weakref.WeakKeyDictionary[nn.Module, tuple[Fingerprint, dict[str, Tensor]]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per model: the fingerprint of its tensors and its column-major Linear weights (CPU, B=1),
-named as :class:`_Forward` names them."""
+_RELAID: weakref.WeakKeyDictionary[
+    nn.Module, tuple[tuple[Fingerprint, bool], dict[str, Tensor]]
+] = weakref.WeakKeyDictionary()
+"""Per model: the fingerprint of its tensors and whether the copies are column-major, and its
+relaid Linear weights (CPU, B=1), named as :class:`_Forward` names them."""
 
 
 def relaid_weights(model: nn.Module) -> dict[str, Tensor]:
-    """``model``'s :func:`column_major_weights` as :class:`_Forward` names them, made anew only
-    when the model's :func:`fingerprint` changed since the last call."""
-    now = fingerprint(model)
+    """``model``'s :func:`linear_weights` and :func:`fused_qkv_weights` as :class:`_Forward`
+    names them, column-major where :func:`~qkv.models.cpu_products.mkl_reads_fast`, else
+    row-major; made anew only when the model's :func:`fingerprint` changed
+    since the last call."""
+    now, column_major = fingerprint(model), mkl_reads_fast()
     known = _RELAID.get(model)
-    if known is None or known[0] != now:
-        fused, covered = fused_qkv_weights(model)
-        copies = {**column_major_weights(model, skip=covered), **fused}
-        _RELAID[model] = known = (now, {f"model.{name}": w for name, w in copies.items()})
+    if known is None or known[0] != (now, column_major):
+        fused, covered = fused_qkv_weights(model, column_major=column_major)
+        copies = {**linear_weights(model, covered, column_major=column_major), **fused}
+        named = {f"model.{name}": w for name, w in copies.items()}
+        _RELAID[model] = known = ((now, column_major), named)
     return known[1]
 
 
@@ -179,11 +183,17 @@ HUGE_PAGE = 2 << 20
 
 
 def column_major_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``tensors`` copied once each: a matrix ``[N, K]`` column-major (stored as a contiguous
-    ``[K, N]``, strides ``(1, N)``), a vector contiguous. On the CPU (Linux) all of them lie in
-    one anonymous memory map that asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``;
-    Linux's default THP mode honours it, torch's allocator does not ask unless
-    ``THP_MEM_ALLOC_ENABLE=1``); elsewhere each is a tensor of its own.
+    """:func:`huge_page_copies` with every matrix column-major."""
+    return huge_page_copies(tensors, column_major=True)
+
+
+def huge_page_copies(tensors: dict[str, Tensor], *, column_major: bool) -> dict[str, Tensor]:
+    """``tensors`` copied once each: a matrix ``[N, K]`` column-major (``column_major``: stored
+    as a contiguous ``[K, N]``, strides ``(1, N)``) or row-major (contiguous), a vector
+    contiguous. On the CPU (Linux) all of them lie in one anonymous memory map that asks for
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``; Linux's default THP mode honours it,
+    torch's allocator does not ask unless ``THP_MEM_ALLOC_ENABLE=1``); elsewhere each is a
+    tensor of its own.
 
     Reading hundreds of MB per token through 4 KB pages pays a TLB miss every 4 KB; on 2 MB
     pages B=1 decoding of GPT-2 small ran 1.5-11% faster here (median 3%, five interleaved
@@ -195,12 +205,16 @@ def column_major_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     for name, t in tensors.items():
         if t.dim() not in (1, 2):
             raise ValueError(
-                f"column_major_copies: {name!r} must be a vector or a matrix, got shape "
+                f"huge_page_copies: {name!r} must be a vector or a matrix, got shape "
                 f"{tuple(t.shape)}"
             )
+
+    def stored(t: Tensor) -> Tensor:  # the layout in memory: [K, N] column-major, else as is
+        return t.t() if column_major else t
+
     on_cpu = all(t.device.type == "cpu" for t in tensors.values())
     if not tensors or not on_cpu or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return {name: t.detach().t().contiguous().t() for name, t in tensors.items()}
+        return {name: stored(stored(t.detach()).contiguous()) for name, t in tensors.items()}
     sizes = {name: -(-t.nbytes // 64) * 64 for name, t in tensors.items()}  # 64-byte aligned
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # shared anonymous maps are shmem: no THP
     region = mmap.mmap(-1, sum(sizes.values()) + HUGE_PAGE, flags=private)
@@ -210,33 +224,41 @@ def column_major_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     offset = -raw.data_ptr() % HUGE_PAGE  # start on a huge-page boundary
     out: dict[str, Tensor] = {}
     for name, t in tensors.items():
-        dst = raw[offset : offset + t.nbytes].view(t.dtype).view(t.t().shape)  # [K, N] or [N]
-        dst.copy_(t.detach().t())
-        out[name] = dst.t()  # [N, K], strides (1, N)
+        dst = (
+            raw[offset : offset + t.nbytes].view(t.dtype).view(stored(t).shape)
+        )  # [K, N] or [N, K]
+        dst.copy_(stored(t.detach()))
+        out[name] = stored(dst)  # [N, K], strides (1, N) or (K, 1)
         offset += sizes[name]
     return out
 
 
-def column_major_weights(model: nn.Module, skip: frozenset[str] = frozenset()) -> dict[str, Tensor]:
-    """A column-major copy (:func:`column_major_copies`) of every ``nn.Linear`` weight of
-    ``model`` (a tied output head's too), by its parameter name: the same ``[N, K]`` values
-    stored as a contiguous ``[K, N]``, so that ``x @ W.t()`` reads the weight as MKL's
-    matrix-vector product reads it fastest. Parameters named in ``skip`` are left out."""
+def linear_weights(
+    model: nn.Module, skip: frozenset[str] = frozenset(), *, column_major: bool = True
+) -> dict[str, Tensor]:
+    """A copy (:func:`huge_page_copies`) of every ``nn.Linear`` weight of ``model`` (a tied
+    output head's too), by its parameter name: column-major (the same ``[N, K]`` values stored
+    as a contiguous ``[K, N]``, so that ``x @ W.t()`` reads the weight as MKL's matrix-vector
+    product reads it fastest) or row-major (as :class:`~qkv.models.cpu_products.
+    ProductsAsReductions` reads it). Parameters named in ``skip`` are left out."""
     names = {id(p): name for name, p in model.named_parameters()}
-    return column_major_copies(
+    return huge_page_copies(
         {
             names[id(m.weight)]: m.weight  # [N, K]
             for m in model.modules()
             if isinstance(m, nn.Linear) and names[id(m.weight)] not in skip
-        }
+        },
+        column_major=column_major,
     )
 
 
-def fused_qkv_weights(model: nn.Module) -> tuple[dict[str, Tensor], frozenset[str]]:
+def fused_qkv_weights(
+    model: nn.Module, *, column_major: bool = True
+) -> tuple[dict[str, Tensor], frozenset[str]]:
     """For each :class:`~qkv.nn.MultiHeadAttention` of ``model`` whose keys and values may come
     from its queries' input (``kdim == vdim == embed_dim``): its projections packed, as
     ``{path}.fused_qkv_weight`` (the rows of ``q_proj``, ``k_proj``, ``v_proj`` stacked,
-    ``[D + 2 * Hkv * Dh, D]``, column-major: :func:`column_major_copies`) and
+    ``[D + 2 * Hkv * Dh, D]``, column-major or row-major: :func:`huge_page_copies`) and
     ``{path}.fused_qkv_bias`` when all three have biases (a module with biases on some of them
     only is left out).
 
@@ -260,7 +282,7 @@ def fused_qkv_weights(model: nn.Module) -> tuple[dict[str, Tensor], frozenset[st
             biases = [lin.bias.detach() for lin in projs.values()]
             stacked[f"{prefix}fused_qkv_bias"] = torch.cat(biases)  # [P]
         covered.update(f"{prefix}{p}.weight" for p in projs)
-    return column_major_copies(stacked), frozenset(covered)
+    return huge_page_copies(stacked, column_major=column_major), frozenset(covered)
 
 
 def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int) -> Step:
@@ -285,8 +307,11 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if batch_size == 1:
         if "cpu" not in _COMPILED:
+            options: dict[str, str | int | bool | Callable[..., object]] = {"cpp_wrapper": True}
+            if not mkl_reads_fast():
+                options["post_grad_custom_post_pass"] = ProductsAsReductions()
             _COMPILED["cpu"] = torch.compile(
-                _relaid_step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True}
+                _relaid_step, fullgraph=True, dynamic=False, options=options
             )
         run, wrapper, weights = _COMPILED["cpu"], _Forward(model), relaid_weights(model)
         return lambda _, ids, cache, pos, window: run(wrapper, weights, ids, cache, pos, window)
@@ -375,6 +400,16 @@ class StaticDecoder:
             for t in (*self.cache.keys, *self.cache.values):
                 torch._dynamo.mark_dynamic(t, 2)  # [B, Hkv, C, Dh]
             torch._dynamo.mark_dynamic(self.cache.padding, 1)  # [B, C]
+        # B > 1 off Intel: a symbolic batch makes freezing prepack the weights for oneDNN
+        self._batch_dynamic = self._dynamic and batch_size > 1 and not mkl_reads_fast()
+        if self._batch_dynamic:
+            for t in (
+                *self.cache.keys,
+                *self.cache.values,
+                self.cache.padding,
+                self.cache.pad_count,
+            ):
+                torch._dynamo.mark_dynamic(t, 0)  # [B, ...]
         # one row on the CPU: the prompt too reads the column-major copies the step reads
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
@@ -399,11 +434,15 @@ class StaticDecoder:
         """One step: ``[B]`` tokens written at ``slot`` -> logits ``[B, V]``."""
         position = torch.full((1,), slot, dtype=torch.long, device=tokens.device)  # [1]
         window = self.cache.window(slot + 1) if self._windowed else None  # [B, slot + 1]
+        ids = tokens[:, None]  # [B, 1]
         if window is not None and self._dynamic:
             torch._dynamo.mark_dynamic(window, 1)  # one graph for every step's length
+        if self._batch_dynamic and window is not None:
+            for t in (ids, window):
+                torch._dynamo.mark_dynamic(t, 0)
         skip = self._guarded and self._skip_guards  # the first step passed the full check
         with _guards_skipped() if skip else contextlib.nullcontext():
-            logits = self._step(self.model, tokens[:, None], self.cache, position, window)  # [B, V]
+            logits = self._step(self.model, ids, self.cache, position, window)  # [B, V]
         self._guarded = True
         # CUDA graphs reuse their output buffer: keep this step's logits
         return logits.clone() if logits.device.type == "cuda" else logits

@@ -1,0 +1,95 @@
+"""Which matrix products a compiled CPU decoding step runs: MKL's on Intel CPUs, others elsewhere.
+
+Decoding reads every weight once per step and is bound by memory bandwidth. torch's CPU build
+multiplies with Intel's MKL, which reads weights at about the bandwidth on Intel CPUs but not
+on others. Measured on an AMD EPYC (Zen 4, 2 cores, 2 threads) with the 61 weight matrices of
+the 12-layer Llama-style model of ``benchmarks/decode.py`` (499 MB), ms per step:
+
+* one row (B = 1): MKL ``addmm`` on column-major weights 21.4 (18.7 GB/s), inductor's own
+  vectorized reduction over row-major weights 13.6 (29.4 GB/s; 1 thread: 20.0 and 18.7);
+* eight rows: MKL on prepacked weights 50.2, MKL unpacked 40.9, oneDNN on weights it
+  prepacked 14.4.
+
+On an Intel Xeon MKL was the fastest of these (the reduction took 1.07-1.08x its time at one
+row, oneDNN 1.17-1.28x). CTranslate2 draws the same line: it multiplies with MKL on Intel CPUs
+only (oneDNN elsewhere). :func:`mkl_reads_fast` says which side of it this CPU is on;
+:class:`ProductsAsReductions` is the inductor pass that rewrites each one-row ``mm`` /
+``addmm`` of a graph as ``sum(W * x) (+ b)``, which inductor fuses into one loop that reads
+``W`` once (the weight must then be row-major, ``[N, K]`` contiguous, so that the reduction
+runs along contiguous memory).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+__all__ = ["ProductsAsReductions", "cpu_vendor", "mkl_reads_fast"]
+
+aten = torch.ops.aten
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string from ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``,
+    ...), or ``""`` where the file or the field is missing (not Linux, arm64)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def mkl_reads_fast() -> bool:
+    """Whether a compiled CPU decoding step multiplies with MKL: True on an Intel CPU with
+    torch built with MKL (B = 1: column-major weights, ``addmm``; B > 1: weights prepacked for
+    MKL by inductor's freezing). False elsewhere (B = 1: row-major weights,
+    :class:`ProductsAsReductions`; B > 1: weights prepacked for oneDNN)."""
+    return cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
+
+
+class ProductsAsReductions(CustomGraphPass):
+    """Inductor post-grad pass: ``mm(x, w)`` and ``addmm(b, x, w)`` (beta = alpha = 1) whose
+    ``x`` is one float32 or float64 row, ``[1, K] @ [K, N]``, become ``sum(w.t() * x, dim=1)``
+    (``[N, 1]``, plus ``b``) viewed as ``[1, N]``. Other products are left alone.
+
+    Pass it as ``torch.compile(..., options={"post_grad_custom_post_pass":
+    ProductsAsReductions()})``."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        """Rewrite ``graph`` in place."""
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is aten.mm.default:
+                bias, (x, w) = None, node.args
+            elif node.target is aten.addmm.default and not node.kwargs:
+                bias, x, w = node.args
+            else:
+                continue
+            val = x.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype not in (torch.float32, torch.float64):
+                continue
+            if val.dim() != 2 or not isinstance(val.shape[0], int) or val.shape[0] != 1:
+                continue  # not one row (or a symbolic count of rows)
+            with graph.inserting_before(node):
+                wt = graph.call_function(aten.permute.default, (w, [1, 0]))  # [N, K]
+                prod = graph.call_function(aten.mul.Tensor, (wt, x))  # [N, K]
+                out = graph.call_function(aten.sum.dim_IntList, (prod, [1], True))  # [N, 1]
+                out = graph.call_function(aten.permute.default, (out, [1, 0]))  # [1, N]
+                if bias is not None:
+                    out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
+            out.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+
+    def uuid(self) -> bytes:
+        """A hash of this file: inductor's cache keys a compiled graph by it."""
+        return get_hash_for_files((__file__,))

@@ -1,0 +1,95 @@
+"""The CPU product policy of compiled decoding and the one-row products pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from qkv.models import cpu_products
+from qkv.models.cpu_products import ProductsAsReductions
+
+aten = torch.ops.aten
+
+
+def test_cpu_vendor_reads_proc_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    read = cpu_products.cpu_vendor.__wrapped__  # the uncached function
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    monkeypatch.setattr(Path, "read_text", lambda self: text)
+    assert read() == "AuthenticAMD"
+    monkeypatch.setattr(Path, "read_text", lambda self: "processor\t: 0\nmodel name: X\n")
+    assert read() == ""  # arm64 names no vendor_id
+
+    def missing(self: Path) -> str:
+        raise FileNotFoundError(str(self))
+
+    monkeypatch.setattr(Path, "read_text", missing)
+    assert read() == ""  # not Linux
+
+
+@pytest.mark.parametrize(
+    ("vendor", "mkl", "want"),
+    [("GenuineIntel", True, True), ("GenuineIntel", False, False), ("AuthenticAMD", True, False),
+     ("", True, False)],
+)  # fmt: skip
+def test_mkl_only_on_intel(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, mkl: bool, want: bool
+) -> None:
+    monkeypatch.setattr(cpu_products, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    assert cpu_products.mkl_reads_fast() is want
+
+
+def _products(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rows3: torch.Tensor) -> tuple:
+    one = torch.nn.functional.linear(x, w, b)  # [1, N]: addmm
+    bare = x @ w.t()  # [1, N]: mm
+    many = rows3 @ w.t()  # [3, N]: left alone
+    return one, bare, many
+
+
+def test_pass_rewrites_one_row_products_only() -> None:
+    torch.manual_seed(0)
+    args = (torch.randn(1, 6), torch.randn(5, 6), torch.randn(5), torch.randn(3, 6))
+    gm = make_fx(_products)(*args)
+    before = [n.target for n in gm.graph.nodes]
+    assert before.count(aten.addmm.default) == 1 and before.count(aten.mm.default) == 2
+    ProductsAsReductions()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    after = [n.target for n in gm.graph.nodes]
+    assert aten.addmm.default not in after and after.count(aten.mm.default) == 1  # 3 rows kept
+    assert after.count(aten.sum.dim_IntList) == 2
+    got = gm(*args)
+    want = _products(*(a.double() for a in args))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
+def test_pass_leaves_low_precision_rows_alone() -> None:
+    args = [torch.randn(1, 6), torch.randn(5, 6), torch.randn(5), torch.randn(3, 6)]
+    gm = make_fx(_products)(*(a.bfloat16() for a in args))
+    ProductsAsReductions()(gm.graph)
+    targets = [n.target for n in gm.graph.nodes]
+    assert aten.sum.dim_IntList not in targets  # bf16: MKL/oneDNN keep their accumulation
+
+
+def test_inductor_with_the_pass_reads_each_weight_in_its_own_loop() -> None:
+    """The real thing: inductor compiles a one-row Linear (+ GELU) with the pass into its own
+    C++ reduction (no BLAS call), with the reference's values (float64 recomputation)."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(1, 1, 48), torch.randn(40, 48), torch.randn(40)  # [1, 1, K], [N, K]
+
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))  # [1, 1, N]
+
+    options = {"post_grad_custom_post_pass": ProductsAsReductions()}
+    compiled = torch.compile(f, fullgraph=True, dynamic=False, options=options)
+    got, (code,) = run_and_get_code(compiled, x, w, b)
+    want = f(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert "addmm" not in code and "mm(" not in code  # no BLAS product left
+    assert "cpp_fused" in code
