@@ -10,7 +10,9 @@ contestant decodes from that same directory:
 * ``qkv compiled``: the same with ``compile=True`` (static cache, the decode step compiled once
   by ``torch.compile(fullgraph=True)``; its compile time is printed, not timed);
 * ``CTranslate2``: float32, converted from the same directory by its ``TransformersConverter``
-  (a stand-in tokenizer names token ``i`` ``"t{i}"``; no tokenizer is downloaded).
+  (a stand-in tokenizer names token ``i`` ``"t{i}"``; no tokenizer is downloaded), run in a
+  process of its own (:class:`Ct2Process`; ``--same-process``: in this one), called in turn
+  with the others: its OpenMP runtime and torch's slow each other down in one process.
 
 Each decodes ``--new`` (64) tokens after a 16-token prompt at B=1 and B=8, with one thread and
 with all threads. Rounds are interleaved; each contestant's median over ``--repeats`` gives its
@@ -27,18 +29,22 @@ CTranslate2 is not a qkv dependency: ``pip install ctranslate2`` (4.x) to includ
 its column is skipped with a note.
 
 Usage: ``python benchmarks/decode.py [--quick] [--repeats N] [--new N] [--threads 1,2]
-[--models gpt2,llama]``; ``--quick``: 2-layer models of width 64, 8 new tokens, 1 repeat.
+[--models gpt2,llama] [--same-process]``; ``--quick``: 2-layer models of width 64, 8 new
+tokens, 1 repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -111,8 +117,12 @@ def ct2_dir(hf_dir: Path, out: Path, vocab: int) -> Path:
     return out
 
 
-def contestants(hf_dir: Path, ct2_path: Path | None, threads: int) -> dict[str, Run]:
-    """Each contestant's greedy decode: ``(prompts [B, T0], n) -> n new tokens per row``."""
+def contestants(
+    hf_dir: Path, ct2_path: Path | None, threads: int, same_process: bool = False
+) -> dict[str, Run]:
+    """Each contestant's greedy decode: ``(prompts [B, T0], n) -> n new tokens per row``;
+    CTranslate2 (when ``ct2_path`` is given) in a :class:`Ct2Process` unless
+    ``same_process``."""
     ref = tr.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
     lm = load_hf(hf_dir)
     assert isinstance(lm, DecoderOnlyLM)
@@ -129,19 +139,55 @@ def contestants(hf_dir: Path, ct2_path: Path | None, threads: int) -> dict[str, 
         return lm.generate(ids, n, greedy=True, compile=True)[:, ids.shape[1] :].tolist()
 
     runs: dict[str, Run] = {"transformers": hf, "qkv eager": eager, "qkv compiled": compiled}
-    if ct2_path is not None:
+    if ct2_path is not None and same_process:
         gen = ctranslate2.Generator(str(ct2_path), device="cpu", intra_threads=threads)
-
-        def ct2(ids: torch.Tensor, n: int) -> list[list[int]]:
-            prompts = [[f"t{i}" for i in row] for row in ids.tolist()]
-            res = gen.generate_batch(
-                prompts, max_length=n, min_length=n, include_prompt_in_result=False,
-                beam_size=1, sampling_topk=1,
-            )  # fmt: skip
-            return [r.sequences_ids[0] for r in res]
-
-        runs["CTranslate2"] = ct2
+        runs["CTranslate2"] = lambda ids, n: ct2_generate(gen, ids.tolist(), n)
+    elif ct2_path is not None:
+        runs["CTranslate2"] = Ct2Process(ct2_path, threads)
     return runs
+
+
+def ct2_generate(gen: ctranslate2.Generator, rows: list[list[int]], n: int) -> list[list[int]]:
+    """CTranslate2's greedy decode of token ids ``rows``: ``n`` new tokens per row."""
+    prompts = [[f"t{i}" for i in row] for row in rows]
+    res = gen.generate_batch(
+        prompts, max_length=n, min_length=n, include_prompt_in_result=False,
+        beam_size=1, sampling_topk=1,
+    )  # fmt: skip
+    return [r.sequences_ids[0] for r in res]
+
+
+def _ct2_worker(conn: Connection, path: str, threads: int) -> None:
+    """The loop of :class:`Ct2Process`'s process: ``(rows, n)`` in, tokens out, None ends."""
+    gen = ctranslate2.Generator(path, device="cpu", intra_threads=threads)
+    while (msg := conn.recv()) is not None:
+        conn.send(ct2_generate(gen, *msg))
+
+
+class Ct2Process:
+    """CTranslate2 in a process of its own (spawned), called like the other contestants.
+
+    Its OpenMP runtime (a libgomp of its own) and torch's do not share a process: in one
+    process each slowed the other on 2 cores (64 tokens, Llama-style, B=1, 2 threads, AMD EPYC:
+    qkv 1338 ms before CTranslate2 first ran, 1514 ms after; CTranslate2 942 ms in a process
+    of its own, 1283 ms after qkv had run in its process). A call's time, measured by the
+    caller, includes the pipe's round trip of its ids and tokens (well under a millisecond)."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_ct2_worker, args=(child, str(path), threads))
+        self._proc.daemon = True
+        self._proc.start()
+
+    def __call__(self, ids: torch.Tensor, n: int) -> list[list[int]]:
+        self._conn.send((ids.tolist(), n))
+        return cast(list[list[int]], self._conn.recv())
+
+    def close(self) -> None:
+        """End the process."""
+        self._conn.send(None)
+        self._proc.join()
 
 
 def bandwidth() -> float:
@@ -198,7 +244,7 @@ def bench_model(kind: str, args: argparse.Namespace, root: Path) -> None:
     g = torch.Generator().manual_seed(1)
     for threads in args.threads:
         torch.set_num_threads(threads)
-        runs = contestants(hf_dir, ct2_path, threads)
+        runs = contestants(hf_dir, ct2_path, threads, args.same_process)
         bw = bandwidth()
         limit = bw / wbytes
         print(
@@ -225,6 +271,9 @@ def bench_model(kind: str, args: argparse.Namespace, root: Path) -> None:
         pre = measure(runs, long_ids, 1, args.repeats)
         cells = ", ".join(f"{name} {sec * 1e3:.0f} ms" for name, sec in pre.items())
         print(f"\nprefill of {PREFILL} tokens + 1 new token, B=1: {cells}")
+        for run in runs.values():
+            if isinstance(run, Ct2Process):
+                run.close()
 
 
 def main() -> None:
@@ -235,6 +284,11 @@ def main() -> None:
     parser.add_argument("--threads", default=f"1,{os.cpu_count()}", help="comma-separated")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--models", default="gpt2,llama", help="gpt2 and/or llama")
+    parser.add_argument(
+        "--same-process", action="store_true",
+        help="run CTranslate2 in this process too (both runtimes' thread pools then slow each "
+        "other; by default it runs in a process of its own)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.threads = sorted({int(t) for t in args.threads.split(",")})
     args.batches = [int(b) for b in args.batches.split(",")]
