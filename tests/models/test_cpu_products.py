@@ -62,6 +62,9 @@ def test_pass_rewrites_one_row_products_only() -> None:
     after = [n.target for n in gm.graph.nodes]
     assert aten.addmm.default not in after and after.count(aten.mm.default) == 1  # 3 rows kept
     assert after.count(aten.sum.dim_IntList) == 2
+    realized = [n for n in gm.graph.nodes if "force_stride_order" in str(n.target)]
+    assert len(realized) == 2  # each row computed once, then read by its reduction
+    assert all(n.args[1] == [6, 1] for n in realized)
     got = gm(*args)
     want = _products(*(a.double() for a in args))
     for g, w in zip(got, want, strict=True):
@@ -78,13 +81,15 @@ def test_pass_leaves_low_precision_rows_alone() -> None:
 
 
 def test_inductor_with_the_pass_reads_each_weight_in_its_own_loop() -> None:
-    """The real thing: inductor compiles a one-row Linear (+ GELU) with the pass into its own
-    C++ reduction (no BLAS call), with the reference's values (float64 recomputation)."""
+    """The real thing: inductor compiles a one-row Linear (after a LayerNorm, before a GELU)
+    with the pass into its own C++ reduction (no BLAS call), with the reference's values
+    (float64 recomputation)."""
     torch.manual_seed(0)
     x, w, b = torch.randn(1, 1, 48), torch.randn(40, 48), torch.randn(40)  # [1, 1, K], [N, K]
 
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))  # [1, 1, N]
+        h = torch.nn.functional.layer_norm(x, (48,))  # [1, 1, K]: realized, not inlined
+        return torch.nn.functional.gelu(torch.nn.functional.linear(h, w, b))  # [1, 1, N]
 
     options = {"post_grad_custom_post_pass": ProductsAsReductions()}
     compiled = torch.compile(f, fullgraph=True, dynamic=False, options=options)

@@ -65,6 +65,10 @@ class ProductsAsReductions(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         """Rewrite ``graph`` in place."""
+        # inductor's "realize with these strides" (a copy only where they differ); the prim
+        # is registered when inductor's prims module is imported (inductor has, by now)
+        from torch._inductor.inductor_prims import force_stride_order
+
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
@@ -80,8 +84,12 @@ class ProductsAsReductions(CustomGraphPass):
             if val.dim() != 2 or not isinstance(val.shape[0], int) or val.shape[0] != 1:
                 continue  # not one row (or a symbolic count of rows)
             with graph.inserting_before(node):
+                # x computed once into a buffer of its own, not inlined into the reduction,
+                # where inductor would recompute it (a LayerNorm, a SiLU) for each of N rows
+                row = graph.call_function(force_stride_order, (x, [val.shape[1], 1]))  # [1, K]
+                row.meta["val"] = val
                 wt = graph.call_function(aten.permute.default, (w, [1, 0]))  # [N, K]
-                prod = graph.call_function(aten.mul.Tensor, (wt, x))  # [N, K]
+                prod = graph.call_function(aten.mul.Tensor, (wt, row))  # [N, K]
                 out = graph.call_function(aten.sum.dim_IntList, (prod, [1], True))  # [N, 1]
                 out = graph.call_function(aten.permute.default, (out, [1, 0]))  # [1, N]
                 if bias is not None:

@@ -17,18 +17,25 @@ step's matrix products took 0.66x the time with weights prepacked at B=8 and 0.9
 column-major weights at B=1 (where prepacking gains nothing). So:
 
 * **B = 1**: the step runs through ``torch.func.functional_call`` with a column-major copy of
-  every ``Linear`` weight (:func:`column_major_weights`; the weights stay graph inputs), the
+  every ``Linear`` weight (:func:`linear_weights`; the weights stay graph inputs), the
   query, key and value projections of each self-attention packed into one
   (:func:`fused_qkv_weights`: one matrix product reads them, as CTranslate2 packs them;
   measured +3.6 % tokens/s on GPT-2 small and +2.4 % on the 12-layer Llama-style model of
   ``benchmarks/decode.py``, one thread). The copies lie in memory maps on transparent huge
-  pages (:func:`column_major_copies`: fewer TLB misses while streaming the weights). Its
+  pages (:func:`huge_page_copies`: fewer TLB misses while streaming the weights). Its
   graph's wrapper is written in C++ by inductor (``cpp_wrapper``: no Python between the step's
   ~100 kernels): 0.96x the time of 64 tokens on GPT-2 small and on the Llama-style model, one
   thread (at B=8 the C++ wrapper was 1.02x the time, so B > 1 keeps the Python wrapper).
 * **B > 1**: the step is compiled with inductor's *freezing* (``torch._inductor.config.freezing``):
   parameters and buffers become constants of the graph and inductor packs each ``Linear``
   weight for MKL once.
+
+That is on Intel CPUs. Elsewhere MKL reads weights slowly (:mod:`qkv.models.cpu_products`:
+on an AMD EPYC 18.7 GB/s at one row, 8 GB/s prepacked at eight), so off Intel the B = 1 copies
+are row-major and inductor computes each one-row product itself, as a vectorized reduction
+(:class:`~qkv.models.cpu_products.ProductsAsReductions`, 29.4 GB/s), and the B > 1 step is
+traced with a symbolic batch size, for which freezing packs the weights for oneDNN instead
+(27.7 GB/s; one graph then serves every batch size above 1).
 
 Either way this costs one more copy of the weights in memory. A copy must not outlive the
 weights it copies: each is kept with a fingerprint of the model's tensors (storage address and
@@ -290,9 +297,10 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
 
     On CUDA one step per process (``mode="reduce-overhead"``): dynamo keeps one graph per model
     and shape behind it, guarded, and recompiles only when they change. On the CPU, for
-    ``batch_size`` 1, one step per process that runs the model with column-major copies of its
-    ``Linear`` weights (:func:`column_major_weights`, kept per model and :func:`fingerprint`);
-    for larger batches one step per model and fingerprint, compiled with its weights frozen.
+    ``batch_size`` 1, one step per process that runs the model with copies of its ``Linear``
+    weights (:func:`relaid_weights`, kept per model and :func:`fingerprint`; off Intel with its
+    one-row products as reductions); for larger batches one step per model and fingerprint,
+    compiled with its weights frozen.
 
     Raises:
         TypeError: a ``model`` that is not an ``nn.Module``.
