@@ -22,8 +22,9 @@ models have no end token (transformers/qkv: ``eos_token_id=None``; CTranslate2: 
 = ``max_length``), so everyone decodes every step. Also printed: the time of a 512-token
 prefill (the prompt and one new token) at B=1, and each contestant's share of the B=1 limit
 ``memory bandwidth / weight bytes per token`` (bandwidth measured here by a read of 1 GiB with
-the same threads, the fastest of repeated sums and matrix-vector products; every weight is read
-once per decoding step).
+the same threads, the fastest of repeated sums, matrix-vector products and inductor's
+reductions; every weight is read once per decoding step, an embedding table only where it is
+also the output head).
 
 CTranslate2 is not a qkv dependency: ``pip install ctranslate2`` (4.x) to include it; without it
 its column is skipped with a note.
@@ -54,6 +55,7 @@ import transformers as tr
 
 from qkv.convert import load_hf
 from qkv.models import DecoderOnlyLM
+from qkv.models.static_decode import huge_page_copies
 
 try:
     import ctranslate2
@@ -191,13 +193,16 @@ class Ct2Process:
 
 
 def bandwidth() -> float:
-    """Bytes/s read from 1 GiB of float32 with the current threads: the fastest of 7 sums and 7
-    matrix-vector products (what a decoding step does to each weight). The fastest, not the
-    median: the limit is what the memory can do, and other jobs only ever slow a read down."""
-    x = torch.ones(1 << 28)  # 1 GiB
+    """Bytes/s read from 1 GiB of float32 with the current threads: the fastest of 7 sums, 7
+    matrix-vector products (what a decoding step does to each weight) and 7 of the same
+    products as a reduction compiled by inductor. The fastest, not the median: the limit is
+    what the memory can do, and other jobs only ever slow a read down. On huge pages, as qkv's
+    compiled steps read their weights (:func:`qkv.models.static_decode.huge_page_copies`)."""
+    x = huge_page_copies({"x": torch.ones(1 << 28)}, column_major=False)["x"]  # 1 GiB
     W, v = x.view(1 << 14, 1 << 14), torch.ones(1 << 14)  # [16384, 16384], [16384]
+    reduction = torch.compile(lambda W, v: (W * v).sum(-1), dynamic=False)  # [16384]
     best = 0.0
-    for read in (x.sum, lambda: torch.mv(W, v)):
+    for read in (x.sum, lambda: torch.mv(W, v), lambda: reduction(W, v)):
         read()
         for _ in range(7):
             t0 = time.perf_counter()
@@ -207,9 +212,21 @@ def bandwidth() -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct parameters (a tied head counted once)."""
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    return sum(seen.values())
+    """Bytes of the distinct parameters a decoding step reads whole: all but the embedding
+    tables it only looks a row up in (a table tied to the output head is read whole)."""
+    tables = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    others = {
+        p.data_ptr()
+        for m in model.modules()
+        if not isinstance(m, torch.nn.Embedding)
+        for p in m.parameters(recurse=False)
+    }
+    read = {
+        p.data_ptr(): p.numel() * p.element_size()
+        for p in model.parameters()
+        if p.data_ptr() not in tables or p.data_ptr() in others
+    }
+    return sum(read.values())
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
