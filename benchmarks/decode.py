@@ -16,7 +16,9 @@ contestant decodes from that same directory:
 
 Each decodes ``--new`` (64) tokens after a 16-token prompt at B=1 and B=8, with one thread and
 with all threads. Rounds are interleaved; each contestant's median over ``--repeats`` gives its
-tokens/s (B * new / seconds) and its ratio to ``transformers``. The tokens of every contestant
+tokens/s (B * new / seconds) and its ratio to ``transformers``; its speed relative to
+CTranslate2 is the median over rounds of the two times of the same round (this machine's speed
+drifts by up to a third over seconds). The tokens of every contestant
 are compared with ``transformers``' (identical, or the first differing step is printed). The
 models have no end token (transformers/qkv: ``eos_token_id=None``; CTranslate2: ``min_length``
 = ``max_length``), so everyone decodes every step. Also printed: the time of a 512-token
@@ -241,13 +243,25 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
 
 def measure(runs: dict[str, Run], ids: torch.Tensor, n: int, repeats: int) -> dict[str, float]:
     """Median seconds per contestant, rounds interleaved (after one warm-up call each)."""
+    times = rounds(runs, ids, n, repeats)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def rounds(runs: dict[str, Run], ids: torch.Tensor, n: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per contestant and round, rounds interleaved (after one warm-up call each)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             t0 = time.perf_counter()
             run(ids, n)
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def per_round(times: dict[str, list[float]], name: str, peer: str) -> float:
+    """The median over rounds of ``peer``'s time over ``name``'s in the same round: a speed
+    ratio that a machine's slower and faster minutes move less than a ratio of medians."""
+    return statistics.median(p / t for t, p in zip(times[name], times[peer], strict=True))
 
 
 def bench_model(kind: str, args: argparse.Namespace, root: Path) -> None:
@@ -267,8 +281,11 @@ def bench_model(kind: str, args: argparse.Namespace, root: Path) -> None:
         print(
             f"\n### {threads} thread(s): {bw / 1e9:.1f} GB/s read, B=1 limit {limit:.1f} tokens/s\n"
         )
-        print("| B | contestant | tokens/s | vs transformers | share of limit | tokens |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "| B | contestant | tokens/s | vs transformers | vs CTranslate2 (per round) "
+            "| share of limit | tokens |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for B in args.batches:
             ids = torch.randint(1, vocab, (B, PROMPT), generator=g)
             want = runs["transformers"](ids, args.new)
@@ -278,12 +295,17 @@ def bench_model(kind: str, args: argparse.Namespace, root: Path) -> None:
                 checks[name] = first_difference(want, run(ids, args.new))
                 if name == "qkv compiled":
                     checks[name] += f" (first call {time.perf_counter() - t0:.1f} s, compile)"
-            med = measure(runs, ids, args.new, args.repeats)
+            times = rounds(runs, ids, args.new, args.repeats)
+            med = {name: statistics.median(t) for name, t in times.items()}
             base = B * args.new / med["transformers"]
             for name, sec in med.items():
                 tps = B * args.new / sec
                 share = f"{tps / limit:.0%}" if B == 1 else ""
-                print(f"| {B} | {name} | {tps:.1f} | {tps / base:.2f} | {share} | {checks[name]} |")
+                peer = (
+                    f"{per_round(times, name, 'CTranslate2'):.2f}" if "CTranslate2" in runs else ""
+                )
+                cells = f"{tps:.1f} | {tps / base:.2f} | {peer} | {share} | {checks[name]}"
+                print(f"| {B} | {name} | {cells} |")
         long_ids = torch.randint(1, vocab, (1, PREFILL), generator=g)
         pre = measure(runs, long_ids, 1, args.repeats)
         cells = ", ".join(f"{name} {sec * 1e3:.0f} ms" for name, sec in pre.items())
@@ -296,7 +318,7 @@ def bench_model(kind: str, args: argparse.Namespace, root: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 8 tokens, 1 repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new", type=int, default=64, help="new tokens per row")
     parser.add_argument("--threads", default=f"1,{os.cpu_count()}", help="comma-separated")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")

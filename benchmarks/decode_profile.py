@@ -8,12 +8,17 @@ directory converted for CTranslate2), at B=1 after a 16-token prompt:
    (:class:`qkv.models.static_decode.StaticDecoder` as ``generate`` drives it: the guards checked
    on the first step only) and CTranslate2's ``generate_tokens`` (the time between two tokens),
    rounds interleaved, the median step of each; the greedy tokens of both are checked equal.
+   Two OpenMP runtimes in one process slow each other (``decode.py`` runs CTranslate2 in a
+   process of its own for that reason): compare these steps with each other, not with
+   ``decode.py``'s tokens/s.
 2. **The matrix products of a step**, each contestant in a process of its own under
    ``MKL_VERBOSE=1`` (both call MKL, which prints each call's time): that process's median
    step, and its products (per weight shape the median time of a one-row call, times the
    calls of that shape per step); the rest of the step is the difference. Both come from the
    same process, so they are what the products cost inside the contestant's own step, not in a
-   loop apart (MKL's printing slows both steps a little).
+   loop apart (MKL's printing slows both steps a little). Off Intel CPUs neither multiplies a
+   row through MKL (qkv: :mod:`qkv.models.cpu_products`; CTranslate2: oneDNN), and the
+   products print as ``nan``.
 3. **qkv's step under ``torch.profiler``**: dynamo's guard check, the compiled graph, and the
    ATen calls the graph's wrapper makes around each product (``addmm_out``'s bias copy, the
    clone of its one-row input, the views).

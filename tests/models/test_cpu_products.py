@@ -38,9 +38,24 @@ def test_cpu_vendor_reads_proc_cpuinfo(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_mkl_only_on_intel(
     monkeypatch: pytest.MonkeyPatch, vendor: str, mkl: bool, want: bool
 ) -> None:
+    monkeypatch.delenv(cpu_products.ENV, raising=False)
     monkeypatch.setattr(cpu_products, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
     assert cpu_products.mkl_reads_fast() is want
+    monkeypatch.setenv(cpu_products.ENV, "inductor")
+    assert cpu_products.mkl_reads_fast() is False
+    monkeypatch.setenv(cpu_products.ENV, "mkl")
+    if mkl:
+        assert cpu_products.mkl_reads_fast() is True
+    else:
+        with pytest.raises(ValueError, match="QKV_CPU_PRODUCTS=mkl, but this torch"):
+            cpu_products.mkl_reads_fast()
+
+
+def test_a_bad_override_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_products.ENV, "MKL ")
+    with pytest.raises(ValueError, match=r"QKV_CPU_PRODUCTS must be 'mkl' or 'inductor'.*'MKL '"):
+        cpu_products.mkl_reads_fast()
 
 
 def _products(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rows3: torch.Tensor) -> tuple:

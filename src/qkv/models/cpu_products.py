@@ -22,12 +22,13 @@ runs along contiguous memory).
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["ProductsAsReductions", "cpu_vendor", "mkl_reads_fast"]
+__all__ = ["ENV", "ProductsAsReductions", "cpu_vendor", "mkl_reads_fast"]
 
 aten = torch.ops.aten
 
@@ -47,11 +48,28 @@ def cpu_vendor() -> str:
     return ""
 
 
+ENV = "QKV_CPU_PRODUCTS"
+"""The environment variable that overrides :func:`mkl_reads_fast`: ``mkl`` or ``inductor``."""
+
+
 def mkl_reads_fast() -> bool:
     """Whether a compiled CPU decoding step multiplies with MKL: True on an Intel CPU with
     torch built with MKL (B = 1: column-major weights, ``addmm``; B > 1: weights prepacked for
     MKL by inductor's freezing). False elsewhere (B = 1: row-major weights,
-    :class:`ProductsAsReductions`; B > 1: weights prepacked for oneDNN)."""
+    :class:`ProductsAsReductions`; B > 1: weights prepacked for oneDNN). The environment
+    variable ``QKV_CPU_PRODUCTS`` (:data:`ENV`) overrides it: ``mkl`` (where torch has MKL)
+    or ``inductor``; read when a step is compiled.
+
+    Raises:
+        ValueError: ``QKV_CPU_PRODUCTS`` set to anything else, or to ``mkl`` without MKL.
+    """
+    forced = os.environ.get(ENV, "")
+    if forced not in ("", "mkl", "inductor"):
+        raise ValueError(f"{ENV} must be 'mkl' or 'inductor' (or unset), got {forced!r}")
+    if forced == "mkl" and not torch.backends.mkl.is_available():
+        raise ValueError(f"{ENV}=mkl, but this torch was built without MKL")
+    if forced:
+        return forced == "mkl"
     return cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
 
 
