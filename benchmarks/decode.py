@@ -57,7 +57,7 @@ import transformers as tr
 
 from qkv.convert import load_hf
 from qkv.models import DecoderOnlyLM
-from qkv.models.static_decode import huge_page_copies
+from qkv.models.weight_copies import huge_page_copies
 
 try:
     import ctranslate2
@@ -199,7 +199,7 @@ def bandwidth() -> float:
     matrix-vector products (what a decoding step does to each weight) and 7 of the same
     products as a reduction compiled by inductor. The fastest, not the median: the limit is
     what the memory can do, and other jobs only ever slow a read down. On huge pages, as qkv's
-    compiled steps read their weights (:func:`qkv.models.static_decode.huge_page_copies`)."""
+    compiled steps read their weights (:func:`qkv.models.weight_copies.huge_page_copies`)."""
     x = huge_page_copies({"x": torch.ones(1 << 28)}, column_major=False)["x"]  # 1 GiB
     W, v = x.view(1 << 14, 1 << 14), torch.ones(1 << 14)  # [16384, 16384], [16384]
     reduction = torch.compile(lambda W, v: (W * v).sum(-1), dynamic=False)  # [16384]

@@ -18,7 +18,11 @@ from qkv.convert import load_hf
 from qkv.models import Transformer
 from qkv.nn.relative_bias import relative_position_bucket
 
-TOL = {"atol": 1e-4, "rtol": 0.0}  # the issue's bound on logits
+# The issue's bound on logits (1e-4), plus a float32 term for T5 v1.1's unscaled logits (up to
+# |45| here): two float32 evaluations of the same model differ by CPU (on an AMD EPYC by up to
+# 1.2e-4, 8.7e-6 of the logit, where transformers' own float32 logits are 2.9e-4 from its float64
+# ones); rtol 1e-5 is that much relative spacing, and T5's logits (up to |8|) stay under 1e-4.
+TOL = {"atol": 1e-4, "rtol": 1e-5}
 V = 64
 # (feed_forward_proj, tie_word_embeddings, initializer_factor, a token one greedy row produces
 # late and the others never: used as eos so that rows stop at different steps)

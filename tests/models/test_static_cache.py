@@ -14,6 +14,7 @@ from tqdm import tqdm
 from tqdm._monitor import TMonitor
 
 import qkv.models.static_decode as static_decode
+import qkv.models.weight_copies as weight_copies
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
 from qkv.models.cpu_products import ProductsAsReductions
 from qkv.nn import MultiHeadAttention
@@ -251,8 +252,8 @@ def test_cpu_step_is_shared_until_the_weights_change(monkeypatch: pytest.MonkeyP
     copies = static_decode._RELAID
     static_decode.compiled_step(model, cpu, 1)
     relaid = copies[model][1]
-    fused, covered = static_decode.fused_qkv_weights(model)
-    plain = static_decode.linear_weights(model, covered)
+    fused, covered = weight_copies.fused_qkv_weights(model)
+    plain = weight_copies.linear_weights(model, covered)
     assert set(relaid) == {f"model.{n}" for n in [*plain, *fused]}
     static_decode.compiled_step(model, cpu, 1)
     assert copies[model][1] is relaid  # the same weights: the same copies
@@ -270,7 +271,7 @@ def test_linear_weight_copies_hold_every_linear_weight_tied_head_included(
     column_major: bool,
 ) -> None:
     model = _model("gpt2")
-    weights = static_decode.linear_weights(model, column_major=column_major)
+    weights = weight_copies.linear_weights(model, column_major=column_major)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     params = dict(model.named_parameters())
     assert len(weights) == len({id(m.weight) for m in linears}) > 0
@@ -284,7 +285,7 @@ def test_linear_weight_copies_hold_every_linear_weight_tied_head_included(
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_fused_qkv_copies_stack_the_three_projections(kind: str, column_major: bool) -> None:
     model = _model(kind)
-    fused, covered = static_decode.fused_qkv_weights(model, column_major=column_major)
+    fused, covered = weight_copies.fused_qkv_weights(model, column_major=column_major)
     attns = [(p, m) for p, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     assert len(covered) == 3 * len(attns) > 0
     for path, m in attns:
@@ -298,14 +299,14 @@ def test_fused_qkv_copies_stack_the_three_projections(kind: str, column_major: b
         else:
             assert bias is not None and torch.equal(bias, torch.cat([p.bias for p in projs]))
         assert {f"{path}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")} <= covered
-    assert not set(static_decode.linear_weights(model, covered)) & covered
+    assert not set(weight_copies.linear_weights(model, covered)) & covered
 
 
 def test_column_major_copies_lie_in_one_aligned_map() -> None:
     torch.manual_seed(0)
     w = torch.randn(48, 32)  # [N, K]
     given = {"col": w.t().contiguous().t(), "row": w.clone(), "bias": torch.randn(7)}
-    copies = static_decode.column_major_copies(given)
+    copies = weight_copies.column_major_copies(given)
     assert list(copies) == list(given)
     for name, t in given.items():
         got = copies[name]
@@ -315,21 +316,21 @@ def test_column_major_copies_lie_in_one_aligned_map() -> None:
     storages = {t.untyped_storage().data_ptr() for t in copies.values()}
     assert len(storages) == 1  # one memory map
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert copies["col"].data_ptr() % static_decode.HUGE_PAGE == 0
+        assert copies["col"].data_ptr() % weight_copies.HUGE_PAGE == 0
     copies["row"].add_(1.0)
     assert torch.equal(copies["col"], given["col"])  # no overlap between copies
-    meta = static_decode.column_major_copies({"w": torch.empty(4, 6, device="meta")})
+    meta = weight_copies.column_major_copies({"w": torch.empty(4, 6, device="meta")})
     assert meta["w"].stride() == (1, 4)  # off the CPU: a tensor of its own, same layout
-    rows = static_decode.huge_page_copies(given, column_major=False)
+    rows = weight_copies.huge_page_copies(given, column_major=False)
     assert rows["col"].stride() == rows["row"].stride() == (32, 1)  # row-major
     assert all(torch.equal(rows[n], t) for n, t in given.items())
     assert len({t.untyped_storage().data_ptr() for t in rows.values()}) == 1
-    meta = static_decode.huge_page_copies(
+    meta = weight_copies.huge_page_copies(
         {"w": torch.empty(4, 6, device="meta")}, column_major=False
     )
     assert meta["w"].stride() == (6, 1)
     with pytest.raises(ValueError, match=r"'cube' must be a vector or a matrix.*\(2, 2, 2\)"):
-        static_decode.column_major_copies({"cube": torch.randn(2, 2, 2)})
+        weight_copies.column_major_copies({"cube": torch.randn(2, 2, 2)})
 
 
 def test_fused_qkv_weights_give_the_projections_output() -> None:
@@ -340,7 +341,7 @@ def test_fused_qkv_weights_give_the_projections_output() -> None:
     mha = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
     x, src = torch.randn(2, 5, 32), torch.randn(2, 3, 32)  # [B, T, D], [B, S, D]
     rope = (torch.randn(5, 8), torch.randn(5, 8))  # [T, Dh] x 2
-    fused, covered = static_decode.fused_qkv_weights(mha)
+    fused, covered = weight_copies.fused_qkv_weights(mha)
     assert covered == {"q_proj.weight", "k_proj.weight", "v_proj.weight"}
     nan = {name: torch.full_like(mha.get_parameter(name), float("nan")) for name in covered}
     want = mha(x, x, x, need_weights=False, rope=rope)[0]  # [B, T, D]
@@ -350,7 +351,7 @@ def test_fused_qkv_weights_give_the_projections_output() -> None:
     cross = functional_call(mha, {**fused, **nan}, (x, src, src), {"need_weights": False})
     assert cross[0].isnan().all()  # the projections are read: nothing packed for a key != query
     mha.k_proj.bias = None
-    assert static_decode.fused_qkv_weights(mha) == ({}, frozenset())
+    assert weight_copies.fused_qkv_weights(mha) == ({}, frozenset())
 
 
 def test_one_row_compiled_step_runs_on_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:

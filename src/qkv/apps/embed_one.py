@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from qkv.apps.pooling import l2_normalize
 from qkv.models.bert import BertEncoder
-from qkv.models.static_decode import column_major_copies
 from qkv.models.unpadded import runs_unpadded
+from qkv.models.weight_copies import column_major_copies
 
 __all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.inductor_prims import force_stride_order  # realize with these strides
 
 __all__ = ["ENV", "ProductsAsReductions", "cpu_vendor", "mkl_reads_fast"]
 
@@ -83,10 +84,6 @@ class ProductsAsReductions(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         """Rewrite ``graph`` in place."""
-        # inductor's "realize with these strides" (a copy only where they differ); the prim
-        # is registered when inductor's prims module is imported (inductor has, by now)
-        from torch._inductor.inductor_prims import force_stride_order
-
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
