@@ -507,3 +507,21 @@ def test_skipped_guards_still_tell_models_apart(monkeypatch: pytest.MonkeyPatch)
     want = [m.generate(ids, 12, greedy=True) for m in models]
     for m, w in [*zip(models, want, strict=True)] * 2:
         assert torch.equal(m.generate(ids, 12, greedy=True, compile=True), w)
+
+
+def test_each_products_policy_has_its_own_step_and_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B = 1: a changed policy (QKV_CPU_PRODUCTS set between generations) compiles a step of its
+    own and relays the copies (column-major for MKL, row-major for inductor's products)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    model, cpu = _model("llama"), torch.device("cpu")
+    name = "model.blocks.layers.0.ffn.fc1.weight"
+    strides = []
+    for mkl in (True, False, True):
+        monkeypatch.setattr(static_decode, "mkl_reads_fast", lambda mkl=mkl: mkl)
+        static_decode.compiled_step(model, cpu, 1)
+        strides.append(static_decode._RELAID[model][1][name].stride())
+    N, K = model.get_parameter(name.removeprefix("model.")).shape
+    assert strides == [(1, N), (K, 1), (1, N)]
+    assert len(static_decode._COMPILED) == 2  # one step per policy, reused on the way back

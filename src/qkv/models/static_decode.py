@@ -91,7 +91,8 @@ def _step(
 
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
-"""The compiled step per device kind, for devices whose graphs read the weights as inputs."""
+"""The compiled step per device kind (and on the CPU per products policy), for devices whose
+graphs read the weights as inputs."""
 
 Fingerprint = tuple[tuple[int, int], ...]
 _FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[Fingerprint, Step]] = (
@@ -207,14 +208,16 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if batch_size == 1:
-        if "cpu" not in _COMPILED:
+        mkl = mkl_reads_fast()
+        key = "cpu" if mkl else "cpu, inductor products"  # a step per policy (it may change)
+        if key not in _COMPILED:
             options: dict[str, str | int | bool | Callable[..., object]] = {"cpp_wrapper": True}
-            if not mkl_reads_fast():
+            if not mkl:
                 options["post_grad_custom_post_pass"] = ProductsAsReductions()
-            _COMPILED["cpu"] = torch.compile(
+            _COMPILED[key] = torch.compile(
                 _relaid_step, fullgraph=True, dynamic=False, options=options
             )
-        run, wrapper, weights = _COMPILED["cpu"], _Forward(model), relaid_weights(model)
+        run, wrapper, weights = _COMPILED[key], _Forward(model), relaid_weights(model)
         return lambda _, ids, cache, pos, window: run(wrapper, weights, ids, cache, pos, window)
     now = fingerprint(model)
     known = _FROZEN.get(model)
