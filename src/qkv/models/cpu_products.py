@@ -3,7 +3,7 @@
 Decoding reads every weight once per step and is bound by memory bandwidth. torch's CPU build
 multiplies with Intel's MKL, which reads weights at about the bandwidth on Intel CPUs but not
 on others. Measured on an AMD EPYC (Zen 4, 2 cores, 2 threads) with the 61 weight matrices of
-the 12-layer Llama-style model of ``benchmarks/decode.py`` (499 MB), ms per step:
+the 12-layer Llama-style model of ``benchmarks/decode.py`` (400 MB), ms per step:
 
 * one row (B = 1): MKL ``addmm`` on column-major weights 21.4 (18.7 GB/s), inductor's own
   vectorized reduction over row-major weights 13.6 (29.4 GB/s; 1 thread: 20.0 and 18.7);
