@@ -31,11 +31,20 @@ def model() -> BertEncoder:
 
 
 def eager_program(
-    program: OneSentenceProgram, ids: torch.Tensor, types: torch.Tensor, weights: list[torch.Tensor]
+    program: OneSentenceProgram,
+    ids: torch.Tensor,
+    types: torch.Tensor,
+    weights: list[torch.Tensor],
+    *,
+    frozen: bool,
 ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """A stand-in for :meth:`OneSentenceProgram._compile`: the same inputs, run eagerly."""
+    """A stand-in for :meth:`OneSentenceProgram._compile`: the same inputs, run eagerly (a
+    frozen program on copies of the weights it was given, as a compiled one holds)."""
     program.compiled += 1
     plan = program.plan()
+    if frozen:
+        baked = [w.clone() for w in weights]
+        return lambda flat: [encode_one(baked, flat[0], flat[1], plan)]
     return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
 
 

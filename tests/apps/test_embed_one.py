@@ -1,16 +1,19 @@
 """The one-sentence AOTInductor program against the eager unpadded path, on a tiny random BERT.
 
-The pure function and its weight list run eagerly (cheap); one test compiles the real program
-with AOTInductor (about 10 s here) and checks it, its dynamic token count and its view of
-changed weights, directly and through :class:`CompiledEmbedder`.
+The pure function and its weight list run eagerly (cheap); one test compiles the real programs
+with AOTInductor (the frozen one, then the one that reads the weights: about 10 s each here)
+and checks them, their dynamic token count and the change from one to the other when the
+weights change, through :class:`CompiledEmbedder`.
 """
+
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 from qkv.apps.embed_compiled import CompiledEmbedder
-from qkv.apps.embed_one import OneSentenceProgram, encode_one
+from qkv.apps.embed_one import OneSentenceProgram, _laid_out, encode_one
 from qkv.apps.pooling import l2_normalize, mean_pool
 from qkv.models.bert import BertConfig, BertEncoder
 
@@ -50,6 +53,12 @@ def test_the_function_equals_the_eager_path(activation: str, n: int) -> None:
     with torch.no_grad():
         got = encode_one(program.weights(), ids, types, program.plan())  # [1, D]
     assert got.shape == (1, CONFIG.hidden_size)
+    torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
+    # the frozen program's form: row-major weights, F.linear
+    tensors, _ = program._fingerprinted()
+    frozen_plan = dataclasses.replace(program.plan(), frozen=True)
+    with torch.no_grad():
+        got = encode_one(_laid_out(tensors, column_major=False), ids, types, frozen_plan)
     torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
 
 
@@ -105,30 +114,44 @@ def test_supports_and_refusals() -> None:
 
 
 def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AOTInductor for real: one program for every token count, new weights seen, and
-    :class:`CompiledEmbedder` sends a batch of one sentence (N >= 2) to it."""
+    """AOTInductor for real: one frozen program for every token count, then, once the weights
+    change, one program that reads them; :class:`CompiledEmbedder` sends a batch of one
+    sentence (N >= 2) to it."""
     model = make(seed=3)
     embedder = CompiledEmbedder(model)
     assert embedder._one is not None
+    one = embedder._one
     graphs: list[object] = []
+    frozen: list[bool] = []
+    compile_ = one._compile
 
     def packed_graph(*args: object) -> None:  # the packed rows' graph: must not be called
         graphs.append(args)
 
+    def spied(*args: torch.Tensor | list[torch.Tensor], **kwargs: bool) -> object:
+        frozen.append(kwargs["frozen"])
+        return compile_(*args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(embedder, "_run", packed_graph)
-    for n in (5, 2, 24, 9):
+    monkeypatch.setattr(one, "_compile", spied)
+
+    def check(n: int) -> None:
         ids, types = sentence(n, seed=n)
         pad = torch.zeros(min(3, CONFIG.max_position_embeddings - n), dtype=torch.long)
         mask = torch.cat([torch.ones_like(ids), pad])[None]  # [1, T]: right padding, if any
         with torch.no_grad():  # the program gets the real tokens only
             got = embedder(torch.cat([ids, pad])[None], mask, torch.cat([types, pad])[None])
         torch.testing.assert_close(got, eager(model, ids, types), atol=1e-5, rtol=0)
-    assert embedder.graphs == embedder._one.compiled == 1 and embedder.compile_seconds > 0
-    assert graphs == []
+
+    for n in (5, 2, 24, 9):
+        check(n)
+    assert embedder.graphs == one.compiled == 1 and embedder.compile_seconds > 0
+    assert frozen == [True] and not one.reads_weights and one._weights == []  # no copies made
     with torch.no_grad():
-        model._layers()[0].ffn.fc1.weight.mul_(2.0)
-    ids, types = sentence(7)
-    with torch.no_grad():
-        got = embedder(ids[None], torch.ones(1, 7, dtype=torch.long), types[None].int())
-    torch.testing.assert_close(got, eager(model, ids, types), atol=1e-5, rtol=0)
-    assert embedder._one.compiled == 1
+        model._layers()[0].ffn.fc1.weight.mul_(2.0)  # the frozen program cannot follow this
+    check(7)
+    assert frozen == [True, False] and one.reads_weights and embedder.graphs == 2
+    model._layers()[1].self_attn.q_proj.weight = nn.Parameter(torch.randn(32, 32))  # replaced
+    for n in (7, 3):
+        check(n)
+    assert frozen == [True, False] and one.compiled == 2 and graphs == []
