@@ -7,6 +7,7 @@ weights change, through :class:`CompiledEmbedder`.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -113,10 +114,54 @@ def test_supports_and_refusals() -> None:
         program.weights()
 
 
+@pytest.mark.parametrize("policy", ["mkl", "inductor"])
+def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frozen first off MKL's fast path, then the program that reads the weights once they
+    change; with MKL's fast path, that one from the start. Programs stood in for by
+    :func:`encode_one` run eagerly (a frozen one on copies of its weights, as a compiled one
+    holds): the choice, not the compiler, is under test here."""
+    if policy == "mkl" and not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    monkeypatch.setenv("QKV_CPU_PRODUCTS", policy)
+    model = make(seed=5)
+    program = OneSentenceProgram(model)
+    compiled: list[bool] = []
+
+    def stand_in(
+        ids: torch.Tensor, types: torch.Tensor, weights: list[torch.Tensor], *, frozen: bool
+    ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        compiled.append(frozen)
+        plan = dataclasses.replace(program.plan(), frozen=frozen)
+        if frozen:
+            baked = [w.clone() for w in weights]
+            return lambda flat: [encode_one(baked, flat[0], flat[1], plan)]
+        return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
+
+    monkeypatch.setattr(program, "_compile", stand_in)
+
+    def check(n: int) -> None:
+        ids, types = sentence(n, seed=n)
+        with torch.no_grad():
+            got = program(ids, types)
+        torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
+
+    check(4)
+    check(9)
+    assert compiled == ([False] if policy == "mkl" else [True])
+    assert program.reads_weights == (policy == "mkl")
+    with torch.no_grad():
+        model._layers()[1].ffn.fc2.bias.add_(0.5)
+    check(6)
+    model.embeddings.norm.weight.data = torch.rand(CONFIG.hidden_size)  # storage swapped
+    check(5)
+    assert compiled == ([False] if policy == "mkl" else [True, False]) and program.reads_weights
+
+
 def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:
     """AOTInductor for real: one frozen program for every token count, then, once the weights
     change, one program that reads them; :class:`CompiledEmbedder` sends a batch of one
     sentence (N >= 2) to it."""
+    monkeypatch.setenv("QKV_CPU_PRODUCTS", "inductor")  # the frozen program on every CPU
     model = make(seed=3)
     embedder = CompiledEmbedder(model)
     assert embedder._one is not None

@@ -11,7 +11,7 @@ function under ``torch.compile`` took 1.72-1.89 ms, through AOTInductor's ``__ca
 (it re-reads its call spec each call), through ``boxed_run`` 1.28-1.40 ms, and 1.20 ms with
 the biases added apart from the matrix products (below); ONNX Runtime 1.37-1.54 ms.
 
-The first program is **frozen**: the weights of the first call are its constants, and
+Off Intel CPUs the first program is **frozen**: the weights of the first call are its constants, and
 inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token count is dynamic,
 so freezing picks oneDNN over MKL). A few rows read each packed weight once at memory speed:
 on a 2-core AMD EPYC (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for
@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from qkv.apps.pooling import l2_normalize
 from qkv.models.bert import BertEncoder
+from qkv.models.cpu_products import mkl_reads_fast
 from qkv.models.unpadded import runs_unpadded
 from qkv.models.weight_copies import column_major_copies
 
@@ -157,7 +158,10 @@ class _Frozen(nn.Module):
 class OneSentenceProgram:
     """``model``'s embedding of one sentence through an AOTInductor program (see the module
     docstring): compiled on the first call with that call's weights frozen into it, and once
-    more, with the weights as inputs, on the first call whose weights changed.
+    more, with the weights as inputs, on the first call whose weights changed. Where MKL reads
+    column-major weights at memory speed (:func:`~qkv.models.cpu_products.mkl_reads_fast`: an
+    Intel CPU, or ``QKV_CPU_PRODUCTS=mkl``), the program reads the weights from the first call
+    (on an Intel Xeon freezing gained nothing over it).
 
     Args:
         model: a :class:`BertEncoder` in eval mode whose layers run plain
@@ -167,8 +171,8 @@ class OneSentenceProgram:
         compiled: programs compiled so far: the frozen one, then one that reads the weights
             (another only when their dtype or device changes).
         compile_seconds: wall time spent compiling them.
-        reads_weights: whether the weights changed after the frozen program was compiled, so
-            that the program reading them as inputs runs (for good).
+        reads_weights: whether the program reading the weights as inputs runs (for good): the
+            weights changed after the frozen program was compiled, or MKL reads fast here.
 
     Raises:
         ValueError: a model this program does not reproduce (see :meth:`supports`).
@@ -312,6 +316,8 @@ class OneSentenceProgram:
                 f"{list(ids.shape)} and {list(types.shape)}"
             )
         tensors, now = self._fingerprinted()
+        if not self.reads_weights and self._run is None and mkl_reads_fast():
+            self.reads_weights = True  # MKL reads column-major weights fast enough here
         if not self.reads_weights:
             if self._run is None:  # the first call: its weights frozen into the program
                 laid_out = _laid_out(tensors, column_major=False)
