@@ -12,8 +12,9 @@ A short batch is mostly the cost of calling the kernels, so batches of at most
 :data:`FEW_TOKENS` real tokens run graphs whose wrapper inductor writes in C++ (no Python
 between kernels), compiled separately. A batch of one sentence (a search query) on the CPU runs
 :class:`~qkv.apps.embed_one.OneSentenceProgram` instead: the encoder compiled ahead of time by
-AOTInductor, called without guards, on column-major copies of the weights (remade when the
-weights change). (Column-major copies of the weights, which speed
+AOTInductor, called without guards, its weights frozen into it and packed for oneDNN (off
+Intel CPUs, until they change) or read as column-major copies (remade when they change).
+(Column-major copies of the weights, which speed
 compiled decoding, did not help the packed graph: 1.05x the time for one sentence.)
 
 Shapes: B batch, T padded length, N real tokens, T' longest sentence, D embedding width,

@@ -57,9 +57,10 @@ def mkl_reads_fast() -> bool:
     """Whether a compiled CPU decoding step multiplies with MKL: True on an Intel CPU with
     torch built with MKL (B = 1: column-major weights, ``addmm``; B > 1: weights prepacked for
     MKL by inductor's freezing). False elsewhere (B = 1: row-major weights,
-    :class:`ProductsAsReductions`; B > 1: weights prepacked for oneDNN). The environment
-    variable ``QKV_CPU_PRODUCTS`` (:data:`ENV`) overrides it: ``mkl`` (where torch has MKL)
-    or ``inductor``; read when a step is compiled.
+    :class:`ProductsAsReductions`; B > 1: weights prepacked for oneDNN). The one-sentence
+    embedding program (:mod:`qkv.apps.embed_one`) reads it too: False freezes its weights
+    for oneDNN. The environment variable ``QKV_CPU_PRODUCTS`` (:data:`ENV`) overrides it:
+    ``mkl`` (where torch has MKL) or ``inductor``; read when a step or program is compiled.
 
     Raises:
         ValueError: ``QKV_CPU_PRODUCTS`` set to anything else, or to ``mkl`` without MKL.
