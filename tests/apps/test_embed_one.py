@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from qkv.apps import embed_one
 from qkv.apps.embed_compiled import CompiledEmbedder
 from qkv.apps.embed_one import OneSentenceProgram, _laid_out, encode_one
 from qkv.apps.pooling import l2_normalize, mean_pool
@@ -114,17 +115,21 @@ def test_supports_and_refusals() -> None:
         program.weights()
 
 
-@pytest.mark.parametrize("policy", ["mkl", "inductor"])
+@pytest.mark.parametrize("policy", ["mkl", "inductor", "inductor, too large"])
 def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Frozen first off MKL's fast path, then the program that reads the weights once they
-    change; with MKL's fast path, that one from the start. Programs stood in for by
+    change; with MKL's fast path, or weights too large to freeze, that one from the start.
+    Programs stood in for by
     :func:`encode_one` run eagerly (a frozen one on copies of its weights, as a compiled one
     holds): the choice, not the compiler, is under test here."""
     if policy == "mkl" and not torch.backends.mkl.is_available():
         pytest.skip("this torch has no MKL")
-    monkeypatch.setenv("QKV_CPU_PRODUCTS", policy)
+    monkeypatch.setenv("QKV_CPU_PRODUCTS", policy.split(",")[0])
     model = make(seed=5)
     program = OneSentenceProgram(model)
+    size = sum(t.numel() * t.element_size() for t in program._fingerprinted()[0])
+    monkeypatch.setattr(embed_one, "FROZEN_MAX_BYTES", size - 1 if "large" in policy else size)
+    reads_at_once = policy != "inductor"
     compiled: list[bool] = []
 
     def stand_in(
@@ -147,14 +152,14 @@ def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
     check(4)
     check(9)
-    assert compiled == ([False] if policy == "mkl" else [True])
-    assert program.reads_weights == (policy == "mkl")
+    assert compiled == ([False] if reads_at_once else [True])
+    assert program.reads_weights == reads_at_once
     with torch.no_grad():
         model._layers()[1].ffn.fc2.bias.add_(0.5)
     check(6)
     model.embeddings.norm.weight.data = torch.rand(CONFIG.hidden_size)  # storage swapped
     check(5)
-    assert compiled == ([False] if policy == "mkl" else [True, False]) and program.reads_weights
+    assert compiled == ([False] if reads_at_once else [True, False]) and program.reads_weights
 
 
 def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,6 +67,19 @@ Fingerprint = tuple[list[int], list[int], list[int]]
 PER_LAYER = 12
 """Tensors per layer in the weight list (see :meth:`OneSentenceProgram.weights`)."""
 
+FROZEN_MAX_BYTES = 1 << 30
+"""Weights (every source tensor, the embedding tables included) of more bytes than this are
+never frozen into a program: its shared library holds them as data, and past ~2 GB that needs
+other linking; a copy of them also stays in memory beside the model's own."""
+
+
+def _freezes(sources: list[Tensor]) -> bool:
+    """Whether the first program freezes these weights: where MKL does not read fast
+    (:func:`~qkv.models.cpu_products.mkl_reads_fast`) and they hold at most
+    :data:`FROZEN_MAX_BYTES`."""
+    size = sum(t.numel() * t.element_size() for t in sources)
+    return size <= FROZEN_MAX_BYTES and not mkl_reads_fast()
+
 
 @dataclass(frozen=True)
 class OnePlan:
@@ -161,7 +174,8 @@ class OneSentenceProgram:
     more, with the weights as inputs, on the first call whose weights changed. Where MKL reads
     column-major weights at memory speed (:func:`~qkv.models.cpu_products.mkl_reads_fast`: an
     Intel CPU, or ``QKV_CPU_PRODUCTS=mkl``), the program reads the weights from the first call
-    (on an Intel Xeon freezing gained nothing over it).
+    (on an Intel Xeon freezing gained nothing over it), and so it does for weights of more than
+    :data:`FROZEN_MAX_BYTES`.
 
     Args:
         model: a :class:`BertEncoder` in eval mode whose layers run plain
@@ -172,7 +186,8 @@ class OneSentenceProgram:
             (another only when their dtype or device changes).
         compile_seconds: wall time spent compiling them.
         reads_weights: whether the program reading the weights as inputs runs (for good): the
-            weights changed after the frozen program was compiled, or MKL reads fast here.
+            weights changed after the frozen program was compiled, MKL reads fast here, or
+            the weights are too large to freeze.
 
     Raises:
         ValueError: a model this program does not reproduce (see :meth:`supports`).
@@ -316,8 +331,8 @@ class OneSentenceProgram:
                 f"{list(ids.shape)} and {list(types.shape)}"
             )
         tensors, now = self._fingerprinted()
-        if not self.reads_weights and self._run is None and mkl_reads_fast():
-            self.reads_weights = True  # MKL reads column-major weights fast enough here
+        if not self.reads_weights and self._run is None and not _freezes(tensors):
+            self.reads_weights = True  # MKL reads fast here, or the weights are too large
         if not self.reads_weights:
             if self._run is None:  # the first call: its weights frozen into the program
                 laid_out = _laid_out(tensors, column_major=False)
