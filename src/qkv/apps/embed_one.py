@@ -11,18 +11,19 @@ function under ``torch.compile`` took 1.72-1.89 ms, through AOTInductor's ``__ca
 (it re-reads its call spec each call), through ``boxed_run`` 1.28-1.40 ms, and 1.20 ms with
 the biases added apart from the matrix products (below); ONNX Runtime 1.37-1.54 ms.
 
-Off Intel CPUs the first program is **frozen**: the weights of the first call are its constants, and
-inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token count is dynamic,
-so freezing picks oneDNN over MKL). A few rows read each packed weight once at memory speed:
-on a 2-core AMD EPYC (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for
-oneDNN against 3.79 ms through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms),
-and the whole sentence 1.76-1.98 ms frozen, 4.0-5.5 ms with weights as inputs, ONNX Runtime
-2.09-2.22 ms, side by side. A frozen program cannot follow new weights (runtime constant
-folding does not keep the unpacked ones), so the first call whose weights differ from the
-frozen ones (a fingerprint of identity, storage address and version counter of every source
-tensor, checked each call in ~25 us: in-place writes, ``load_state_dict`` and replaced
-parameters are all seen) compiles the second program once, for good: the weights are its
-inputs, remade when they change, so a model being trained does not compile again at each step.
+Off Intel CPUs the first program is **frozen**: the weights of the first call are its
+constants, and inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token
+count is dynamic, so freezing picks oneDNN over MKL). A few rows then read each packed weight
+once at memory speed: on a 2-core AMD EPYC (Zen 4), the 24 products of a 5-token sentence took
+1.62 ms packed for oneDNN against 3.79 ms through MKL on column-major weights (ONNX Runtime's
+MatMuls: 1.54 ms), and the whole sentence 1.76-1.98 ms frozen, 4.0-5.5 ms with weights as
+inputs, ONNX Runtime 2.09-2.22 ms, side by side. A frozen program cannot follow new weights
+(runtime constant folding does not keep the unpacked ones), so the first call whose weights
+differ from the frozen ones compiles the second program once, for good: its weights are inputs,
+remade when they change, so a model being trained does not compile again at each step. Each
+call compares a fingerprint of every source tensor's identity, storage address and version
+counter (in-place writes, ``load_state_dict``, ``.data =`` and replaced parameters are all
+seen): ~25 us with warm caches, 160-185 us right after the program has streamed its weights.
 
 That program's weights are laid out for products on few rows: each ``Linear`` weight as a
 column-major copy (``x @ W.t()`` then reads a contiguous ``[K, N]``: 24 products on 5 rows took
