@@ -119,9 +119,8 @@ def test_supports_and_refusals() -> None:
 def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Frozen first off MKL's fast path, then the program that reads the weights once they
     change; with MKL's fast path, or weights too large to freeze, that one from the start.
-    Programs stood in for by
-    :func:`encode_one` run eagerly (a frozen one on copies of its weights, as a compiled one
-    holds): the choice, not the compiler, is under test here."""
+    Programs stood in for by :func:`encode_one` run eagerly (a frozen one on copies of its
+    weights, as a compiled one holds): the choice, not the compiler, is under test here."""
     if policy == "mkl" and not torch.backends.mkl.is_available():
         pytest.skip("this torch has no MKL")
     monkeypatch.setenv("QKV_CPU_PRODUCTS", policy.split(",")[0])
