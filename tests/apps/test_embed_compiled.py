@@ -6,15 +6,14 @@ code); inductor's code generation (tens of seconds here) is what ``benchmarks/em
 and checks against the eager path within 1e-5.
 """
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
+from one_sentence_stand_in import eager_program
 from qkv.apps.cli import main
 from qkv.apps.embed import SentenceEmbedder
 from qkv.apps.embed_compiled import FEW_TOKENS, CompiledEmbedder
-from qkv.apps.embed_one import OneSentenceProgram, encode_one
+from qkv.apps.embed_one import OneSentenceProgram
 from qkv.apps.pooling import l2_normalize, mean_pool
 from qkv.models.bert import BertConfig, BertEncoder
 
@@ -28,24 +27,6 @@ CONFIG = BertConfig(
 def model() -> BertEncoder:
     torch.manual_seed(0)
     return BertEncoder(CONFIG).eval()
-
-
-def eager_program(
-    program: OneSentenceProgram,
-    ids: torch.Tensor,
-    types: torch.Tensor,
-    weights: list[torch.Tensor],
-    *,
-    frozen: bool,
-) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """A stand-in for :meth:`OneSentenceProgram._compile`: the same inputs, run eagerly (a
-    frozen program on copies of the weights it was given, as a compiled one holds)."""
-    program.compiled += 1
-    plan = program.plan()
-    if frozen:
-        baked = [w.clone() for w in weights]
-        return lambda flat: [encode_one(baked, flat[0], flat[1], plan)]
-    return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
 
 
 def batch(lengths: list[int], T: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from one_sentence_stand_in import eager_program
 from qkv.apps import embed_one
 from qkv.apps.embed_compiled import CompiledEmbedder
 from qkv.apps.embed_one import OneSentenceProgram, _laid_out, encode_one
@@ -135,11 +136,7 @@ def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> Non
         ids: torch.Tensor, types: torch.Tensor, weights: list[torch.Tensor], *, frozen: bool
     ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         compiled.append(frozen)
-        plan = dataclasses.replace(program.plan(), frozen=frozen)
-        if frozen:
-            baked = [w.clone() for w in weights]
-            return lambda flat: [encode_one(baked, flat[0], flat[1], plan)]
-        return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
+        return eager_program(program, ids, types, weights, frozen=frozen)
 
     monkeypatch.setattr(program, "_compile", stand_in)
 

@@ -1,0 +1,45 @@
+"""A stand-in for :meth:`qkv.apps.embed_one.OneSentenceProgram._compile` that generates no code.
+
+Tests that check which program runs, and what the embedder sends to it, do not need
+AOTInductor's tens of seconds: the stand-in runs :func:`~qkv.apps.embed_one.encode_one` eagerly
+on the same inputs. Imported as a plain module (tests/ is put on ``sys.path`` by
+``tests/conftest.py``): ``from one_sentence_stand_in import eager_program``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import Tensor
+
+from qkv.apps.embed_one import OneSentenceProgram, encode_one
+
+
+def eager_program(
+    program: OneSentenceProgram,
+    ids: Tensor,
+    types: Tensor,
+    weights: list[Tensor],
+    *,
+    frozen: bool,
+) -> Callable[[list[Tensor]], list[Tensor]]:
+    """``program._compile``'s result, run eagerly: a frozen program on copies of the weights
+    it was given (as a compiled one holds them), the other on the weights of each call.
+
+    Args:
+        program: the program it stands in for (its ``compiled`` count goes up by one).
+        ids: ``[N]`` an example sentence's ids (unused, as the real one only traces with them).
+        types: ``[N]`` its token types (unused).
+        weights: the weight list, frozen or not.
+        frozen: as :meth:`OneSentenceProgram._compile`.
+
+    Returns:
+        ``[ids, types]`` (frozen) or ``[ids, types, *weights]`` -> ``[[1, D]]``.
+    """
+    program.compiled += 1
+    plan = dataclasses.replace(program.plan(), frozen=frozen)
+    if frozen:
+        baked = [w.clone() for w in weights]
+        return lambda flat: [encode_one(baked, flat[0], flat[1], plan)]
+    return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
