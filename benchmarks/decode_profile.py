@@ -137,11 +137,14 @@ def breakdown(hf_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     return {k: v / 1e3 / args.steps for k, v in out.items()}
 
 
-def products(log: str, width: int) -> float:
-    """ms of one step's matrix products from an ``MKL_VERBOSE`` log: per weight shape (the
-    :data:`PRODUCTS` calls with one row and at least ``width`` x ``width`` weights, so not
-    attention's), the median call times the calls per step (the calls of that shape over those
-    of the output head, which runs once a step)."""
+def products(log: str, width: int, steps: int) -> float:
+    """ms of one step's matrix products from an ``MKL_VERBOSE`` log of ``steps`` steps: per
+    weight shape (the :data:`PRODUCTS` calls with one row and at least ``width`` x ``width``
+    weights, so not attention's), the median call times the calls per step (the calls of that
+    shape over those of the output head, which runs once a step). Shapes called fewer than
+    ``steps`` times are not a step's: the prefill's one-row output head, which runs through
+    MKL even where the steps do not (off Intel CPUs), so that a log without a step's products
+    gives ``nan``."""
     calls: dict[tuple[str, ...], list[float]] = defaultdict(list)
     for m in MKL_CALL.finditer(log):
         if m.group(1) not in PRODUCTS:
@@ -154,6 +157,7 @@ def products(log: str, width: int) -> float:
         if one_row and max(rows, cols) * inner >= width * width:
             scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(4)]
             calls[(m.group(1), str(max(rows, cols)), str(inner))].append(float(m.group(3)) * scale)
+    calls = {k: v for k, v in calls.items() if len(v) >= steps}
     if not calls:
         return float("nan")
     head = max(calls, key=lambda k: int(k[1]) * int(k[2]))  # the widest: the output head
@@ -191,7 +195,8 @@ def verbose_run(
     step = re.search(r"^STEP ([\d.]+)$", done.stderr, re.MULTILINE)
     if step is None:
         raise SystemExit(f"the {name} child printed no step time:\n{done.stderr[-2000:]}")
-    return float(step.group(1)), products(done.stdout, width)
+    steps = (args.rounds + 1) * args.steps  # the warm-up round and the timed ones
+    return float(step.group(1)), products(done.stdout, width, steps)
 
 
 def main() -> None:

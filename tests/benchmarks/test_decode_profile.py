@@ -40,8 +40,18 @@ def test_products_add_one_steps_weight_calls() -> None:
             log += _call("SGEMM_BATCH_STRIDED", "T,N,20,1,64", "10.00us")  # attention
             log += _call("SGEMM", "T,N,20,1,64", "10.00us")  # attention-sized
         log += _call("SGEMM", "N,N,50257,1,768", "4.00ms")  # the head, once a step
-    assert products(log, 768) == pytest.approx(3 * (0.2 + 0.3) + 4.0)
+    assert products(log, 768, steps=2) == pytest.approx(3 * (0.2 + 0.3) + 4.0)
 
 
 def test_a_log_without_products_gives_nan() -> None:
-    assert math.isnan(products("nothing from MKL\n", 768))
+    assert math.isnan(products("nothing from MKL\n", 768, steps=2))
+
+
+def test_the_prefills_head_alone_is_not_a_steps_product() -> None:
+    """Off Intel the steps multiply outside MKL, and only the prefill's one-row output head
+    (one per generation) appears in the log: that is no step's product."""
+    log = ""
+    for _ in range(3):  # three generations of 8 steps
+        log += _call("SGEMM", "N,N,2304,16,768", "900.00us")  # the prompt: 16 rows
+        log += _call("SGEMM", "T,N,50257,1,768", "11.00ms")  # the prompt's last row: the head
+    assert math.isnan(products(log, 768, steps=24))
