@@ -179,9 +179,9 @@ def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:
     change, one program that reads them; :class:`CompiledEmbedder` sends a batch of one
     sentence (N >= 2) to it."""
     monkeypatch.setenv("QKV_CPU_PRODUCTS", "inductor")  # the frozen program on every CPU
-    # freezing alone: timing oneDNN against the C++ GEMM template on an AVX2 CPU took this test
-    # from 21 s to 40-74 s (see test_frozen_configs; benchmarks/embed.py checks the timed
-    # program on all-MiniLM-L6-v2 within 1e-5 of the eager path)
+    # freezing alone: with oneDNN's products timed against the C++ GEMM template (an AVX2 CPU,
+    # frozen_configs) this test took 74 s on a 2-core EPYC, 37-42 s without; the timed program
+    # is checked by benchmarks/embed.py on all-MiniLM-L6-v2, within 1e-5 of the eager path
     monkeypatch.setattr(embed_one, "frozen_configs", lambda: {"freezing": True})
     model = make(seed=3)
     embedder = CompiledEmbedder(model)

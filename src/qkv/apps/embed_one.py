@@ -19,12 +19,12 @@ A few rows then read each weight about once at memory speed: on a 2-core AMD EPY
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
 1.76-1.98 ms frozen, 4.0-5.5 ms with weights as inputs, ONNX Runtime 2.09-2.22 ms, side by
-side; on one with AVX2 only (Zen 3) oneDNN took 4.3-4.9 ms and the template 2.3-2.5 ms.
-A frozen program cannot follow new weights
-(runtime constant folding does not keep the unpacked ones), so the first call whose weights
-differ from the frozen ones compiles the second program once, for good: its weights are inputs,
-remade when they change, so a model being trained does not compile again at each step. Each
-call compares a fingerprint of every source tensor's identity, storage address and version
+side; on one with AVX2 only (Zen 3) oneDNN took 4.3-4.9 ms and the template 2.3-2.5 ms. A
+frozen program cannot follow new weights (runtime constant folding does not keep the unpacked
+ones), so the first call whose weights differ from the frozen ones compiles the second program
+once, for good: its weights are inputs, remade when they change, so a model being trained does
+not compile again at each step.
+Each call compares a fingerprint of every source tensor's identity, storage address and version
 counter (in-place writes, ``load_state_dict``, ``.data =`` and replaced parameters are all
 seen): ~25 us with warm caches, 160-185 us right after the program has streamed its weights.
 
@@ -86,10 +86,10 @@ def frozen_configs() -> dict[str, object]:
 
     On a 2-core AMD EPYC with AVX2 only (Zen 3) the template won every product: the 24 products
     of all-MiniLM-L6-v2 at 5 rows took 2.3-2.5 ms through it against 4.3-4.9 ms packed for
-    oneDNN, and the whole sentence 0.83-0.91x ONNX Runtime's speed against 0.54-0.68x. With
+    oneDNN, and the whole sentence 0.83-0.92x ONNX Runtime's speed against 0.54-0.68x. With
     AVX-512 (the Zen 4 EPYC before it) oneDNN had been the faster (1.62 against 2.33 ms), so
     there freezing alone is kept. The timing costs ~5 s of compiling per product shape (4 in a
-    BERT layer): the first call compiled in 53-61 s instead of 24-39 s.
+    BERT layer): the first call compiled in 53-64 s instead of 24-39 s.
     """
     configs: dict[str, object] = {"freezing": True}
     if torch.backends.cpu.get_cpu_capability() == "AVX2":
