@@ -113,3 +113,31 @@ def test_inductor_with_the_pass_reads_each_weight_in_its_own_loop() -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert "addmm" not in code and "mm(" not in code  # no BLAS product left
     assert "cpp_fused" in code
+
+
+@pytest.mark.parametrize(
+    ("capability", "mkl", "timed"),
+    [
+        ("AVX2", False, True),
+        ("AVX2", True, False),
+        ("AVX512", False, False),
+        ("DEFAULT", False, False),
+    ],
+)
+def test_frozen_configs(
+    monkeypatch: pytest.MonkeyPatch, capability: str, mkl: bool, timed: bool
+) -> None:
+    """A frozen program always freezes; only one that does not multiply through MKL, on an AVX2
+    CPU, times oneDNN's products against inductor's C++ GEMM template."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    configs = cpu_products.frozen_configs(mkl=mkl)
+    if timed:
+        assert configs == {
+            "freezing": True,
+            "max_autotune_gemm": True,
+            "max_autotune_gemm_backends": "ATEN,CPP",
+            "autotune_num_choices_displayed": 0,
+            "max_autotune_report_choices_stats": False,
+        }
+    else:
+        assert configs == {"freezing": True}

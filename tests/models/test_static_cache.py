@@ -402,7 +402,10 @@ def test_inductor_step_follows_weight_changes(
     assert torch.equal(first, model.generate(ids, new, padding_mask=pad, greedy=True))
     code = "\n".join(codes)
     if rows > 1 and torch.backends.mkl.is_available():  # the weights' packing
-        assert ("_mkl_linear" in code) is mkl and ("_linear_pointwise" in code) is not mkl
+        assert ("_mkl_linear" in code) is mkl
+        # off MKL: oneDNN's product on packed weights, or, where frozen_configs has inductor
+        # time it against its C++ GEMM template (an AVX2 CPU), whichever was faster
+        assert ("_linear_pointwise" in code or "micro_gemm" in code) is not mkl
     elif rows == 1:  # MKL's product, or inductor's own loops
         assert ("addmm" in code) is mkl
     with torch.no_grad():

@@ -14,7 +14,8 @@ the biases added apart from the matrix products (below); ONNX Runtime 1.37-1.54 
 Off Intel CPUs the first program is **frozen**: the weights of the first call are its
 constants, inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token count
 is dynamic, so freezing picks oneDNN over MKL), and on AVX2 CPUs each product runs the faster,
-timed while compiling, of oneDNN's and inductor's C++ GEMM template (:func:`frozen_configs`).
+timed while compiling, of oneDNN's and inductor's C++ GEMM template
+(:func:`~qkv.models.cpu_products.frozen_configs`).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
@@ -57,11 +58,11 @@ from torch import Tensor, nn
 
 from qkv.apps.pooling import l2_normalize
 from qkv.models.bert import BertEncoder
-from qkv.models.cpu_products import mkl_reads_fast
+from qkv.models.cpu_products import frozen_configs, mkl_reads_fast
 from qkv.models.unpadded import runs_unpadded
 from qkv.models.weight_copies import column_major_copies
 
-__all__ = ["OnePlan", "OneSentenceProgram", "encode_one", "frozen_configs"]
+__all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -75,26 +76,6 @@ FROZEN_MAX_BYTES = 1 << 30
 """Weights (every source tensor, the embedding tables included) of more bytes than this are
 never frozen into a program: its shared library holds them as data, and past ~2 GB that needs
 other linking; a copy of them also stays in memory beside the model's own."""
-
-
-def frozen_configs() -> dict[str, object]:
-    """Inductor's settings for the frozen program: freezing, which packs the weights (for
-    oneDNN's product), and on a CPU whose widest vectors are AVX2
-    (``torch.backends.cpu.get_cpu_capability()``) max-autotune of the matrix products between
-    oneDNN's (``ATEN``) and inductor's own C++ GEMM template (``CPP``), each timed on this CPU
-    while compiling.
-
-    On a 2-core AMD EPYC with AVX2 only (Zen 3) the template won every product: the 24 products
-    of all-MiniLM-L6-v2 at 5 rows took 2.3-2.5 ms through it against 4.3-4.9 ms packed for
-    oneDNN, and the whole sentence 0.83-0.92x ONNX Runtime's speed against 0.54-0.68x. With
-    AVX-512 (the Zen 4 EPYC before it) oneDNN had been the faster (1.62 against 2.33 ms), so
-    there freezing alone is kept. The timing costs ~5 s of compiling per product shape (4 in a
-    BERT layer): the first call compiled in 53-64 s instead of 24-39 s.
-    """
-    configs: dict[str, object] = {"freezing": True}
-    if torch.backends.cpu.get_cpu_capability() == "AVX2":
-        configs |= {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,CPP"}
-    return configs
 
 
 def _freezes(sources: list[Tensor]) -> bool:
@@ -404,7 +385,7 @@ class OneSentenceProgram:
                 path = torch._inductor.aoti_compile_and_package(
                     program,
                     package_path=str(Path(tmp) / "embed_one.pt2"),
-                    inductor_configs=frozen_configs() if frozen else {},
+                    inductor_configs=frozen_configs(mkl=False) if frozen else {},
                 )
                 loaded = torch._inductor.aoti_load_package(path)
         self.compiled += 1

@@ -36,7 +36,11 @@ on an AMD EPYC 18.7 GB/s at one row, 8 GB/s prepacked at eight), so off Intel th
 are row-major and inductor computes each one-row product itself, as a vectorized reduction
 (:class:`~qkv.models.cpu_products.ProductsAsReductions`, 29.4 GB/s), and the B > 1 step is
 traced with a symbolic batch size, for which freezing packs the weights for oneDNN instead
-(27.7 GB/s; one graph then serves every batch size above 1).
+(27.7 GB/s; one graph then serves every batch size above 1). On a CPU whose widest vectors are
+AVX2, inductor also times oneDNN's product against its own C++ GEMM template for each weight
+shape while compiling and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
+GPT-2 small's 49 products at 8 rows took 34.1-36.5 ms through the template against 45.6-46.9
+ms through oneDNN on a Zen 3 EPYC, 2 threads).
 
 Either way this costs one more copy of the weights in memory. A copy must not outlive the
 weights it copies: each is kept with a fingerprint of the model's tensors (storage address and
@@ -64,7 +68,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
-from qkv.models.cpu_products import ProductsAsReductions, mkl_reads_fast
+from qkv.models.cpu_products import ProductsAsReductions, frozen_configs, mkl_reads_fast
 from qkv.models.protocols import DecoderOnlyModel
 from qkv.models.weight_copies import fused_qkv_weights, linear_weights
 from qkv.nn.static_kv_cache import StaticKVCache
@@ -114,7 +118,9 @@ def _fresh_step() -> Step:
 
 
 def _frozen(step: Step) -> Step:
-    """``step`` called under inductor freezing (each call: a guard failure recompiles in it)."""
+    """``step`` called under inductor freezing (each call: a guard failure recompiles in it),
+    with :func:`~qkv.models.cpu_products.frozen_configs` as they are when it is made."""
+    configs = frozen_configs(mkl=mkl_reads_fast())
 
     def call(
         model: DecoderOnlyModel,
@@ -123,7 +129,7 @@ def _frozen(step: Step) -> Step:
         pos: Tensor,
         window: Tensor | None,
     ) -> Tensor:
-        with inductor_config.patch(freezing=True):
+        with inductor_config.patch(configs):
             return step(model, ids, cache, pos, window)
 
     return call
