@@ -10,7 +10,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from qkv.models import cpu_products
-from qkv.models.cpu_products import ProductsAsReductions
+from qkv.models.cpu_products import LeanRowProducts, ProductsAsReductions
 
 aten = torch.ops.aten
 
@@ -113,6 +113,70 @@ def test_inductor_with_the_pass_reads_each_weight_in_its_own_loop() -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert "addmm" not in code and "mm(" not in code  # no BLAS product left
     assert "cpp_fused" in code
+
+
+def test_lean_pass_keeps_one_row_products_for_blas() -> None:
+    torch.manual_seed(0)
+    args = (torch.randn(1, 6), torch.randn(5, 6), torch.randn(5), torch.randn(3, 6))
+    gm = make_fx(_products)(*args)
+    LeanRowProducts()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    after = [n.target for n in gm.graph.nodes]
+    assert aten.addmm.default not in after and after.count(aten.mm.default) == 3
+    assert aten.sum.dim_IntList not in after  # still BLAS products, not reductions
+    realized = [n for n in gm.graph.nodes if "force_stride_order" in str(n.target)]
+    assert len(realized) == 2 and all(n.args[1] == [6, 1] for n in realized)
+    (add,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
+    assert add.args[0].target is aten.mm.default  # the bias, outside the product
+    got = gm(*args)
+    want = _products(*(a.double() for a in args))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
+def test_lean_pass_rewrites_a_product_that_reads_another() -> None:
+    """A one-row product fed straight by another (no op between) reads the rewritten one."""
+    torch.manual_seed(0)
+    x, w1, w2, b = torch.randn(1, 6), torch.randn(4, 6), torch.randn(3, 4), torch.randn(3)
+
+    def chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x @ w1.t(), w2, b)  # [1, 3]
+
+    gm = make_fx(chain)(x, w1, w2, b)
+    LeanRowProducts()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    want = chain(x.double(), w1.double(), w2.double(), b.double())
+    torch.testing.assert_close(gm(x, w1, w2, b).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_with_the_lean_pass_calls_blas_without_copies() -> None:
+    """The real thing: with the pass, inductor hands ATen's product a contiguous row and no
+    bias (ATen then neither clones the row nor copies the bias into its output: no ``clone``,
+    ``copy_`` or ``expand`` under the profiler), with the reference's values."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(1, 1, 48), torch.randn(40, 48), torch.randn(40)  # [1, 1, K], [N, K]
+
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.layer_norm(x, (48,))  # [1, 1, K]
+        return torch.nn.functional.gelu(torch.nn.functional.linear(h, w, b))  # [1, 1, N]
+
+    def aten_calls(options: dict[str, object]) -> set[str]:
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, dynamic=False, options=options)
+        got = compiled(x, w, b)
+        want = f(x.double(), w.double(), b.double())
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        with torch.profiler.profile() as prof:
+            compiled(x, w, b)
+        return {e.key for e in prof.key_averages()}
+
+    plain = aten_calls({"cpp_wrapper": True})
+    lean = aten_calls({"cpp_wrapper": True, "post_grad_custom_post_pass": LeanRowProducts()})
+    assert {"aten::clone", "aten::copy_", "aten::expand"} <= plain  # what the pass removes
+    assert not {"aten::clone", "aten::copy_", "aten::expand"} & lean
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from tqdm._monitor import TMonitor
 import qkv.models.static_decode as static_decode
 import qkv.models.weight_copies as weight_copies
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
-from qkv.models.cpu_products import ProductsAsReductions
+from qkv.models.cpu_products import LeanRowProducts, ProductsAsReductions
 from qkv.nn import MultiHeadAttention
 from qkv.nn.static_kv_cache import StaticKVCache
 
@@ -174,11 +174,10 @@ def test_compiled_step_is_one_graph_over_256_steps(
     assert len(options) == 1
     if rows > 1:
         assert options[0] is None
-    elif mkl:
-        assert options[0] == {"cpp_wrapper": True}
     else:
         assert isinstance(options[0], dict) and options[0].pop("cpp_wrapper") is True
-        assert [type(p) for p in options[0].values()] == [ProductsAsReductions]
+        rows_pass = LeanRowProducts if mkl else ProductsAsReductions
+        assert [type(p) for p in options[0].values()] == [rows_pass]
 
 
 def test_misuse_is_refused() -> None:
@@ -387,8 +386,8 @@ def test_inductor_step_follows_weight_changes(
 ) -> None:
     """The real thing (inductor: ~8-10 s each here): B > 1 with the weights frozen into the
     graph (off Intel, ``mkl`` False: with a symbolic batch, so packed for oneDNN), B = 1 with
-    its C++ wrapper on the column-major copies (off Intel: on row-major copies, its products
-    rewritten as reductions). After an in-place change of every weight, compile=True decodes
+    its C++ wrapper on the column-major copies, each bias added outside its product (off Intel:
+    on row-major copies, its products rewritten as reductions). After an in-place change of every weight, compile=True decodes
     with the new weights, as the eager path does."""
     monkeypatch.setattr(static_decode, "_COMPILED", {})
     monkeypatch.setattr(static_decode, "mkl_reads_fast", lambda: mkl)
@@ -406,8 +405,9 @@ def test_inductor_step_follows_weight_changes(
         # off MKL: oneDNN's product on packed weights, or, where frozen_configs has inductor
         # time it against its C++ GEMM template (an AVX2 CPU), whichever was faster
         assert ("_linear_pointwise" in code or "micro_gemm" in code) is not mkl
-    elif rows == 1:  # MKL's product, or inductor's own loops
-        assert ("addmm" in code) is mkl
+    elif rows == 1:  # MKL's product (its bias added outside, LeanRowProducts), or reductions
+        assert ("mm_out(" in code) is mkl
+        assert "addmm" not in code
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-1.0)
