@@ -387,8 +387,8 @@ def test_inductor_step_follows_weight_changes(
     """The real thing (inductor: ~8-10 s each here): B > 1 with the weights frozen into the
     graph (off Intel, ``mkl`` False: with a symbolic batch, so packed for oneDNN), B = 1 with
     its C++ wrapper on the column-major copies, each bias added outside its product (off Intel:
-    on row-major copies, its products rewritten as reductions). After an in-place change of every weight, compile=True decodes
-    with the new weights, as the eager path does."""
+    on row-major copies, its products rewritten as reductions). After an in-place change of
+    every weight, compile=True decodes with the new weights, as the eager path does."""
     monkeypatch.setattr(static_decode, "_COMPILED", {})
     monkeypatch.setattr(static_decode, "mkl_reads_fast", lambda: mkl)
     model = _model("gpt2")
