@@ -152,6 +152,11 @@ def test_lean_pass_rewrites_a_product_that_reads_another() -> None:
     torch.testing.assert_close(gm(x, w1, w2, b).double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_the_two_passes_key_inductors_cache_apart() -> None:
+    assert LeanRowProducts().uuid() != ProductsAsReductions().uuid()
+    assert LeanRowProducts().uuid() == LeanRowProducts().uuid()
+
+
 def test_inductor_with_the_lean_pass_calls_blas_without_copies() -> None:
     """The real thing: with the pass, inductor hands ATen's product a contiguous row and no
     bias (ATen then neither clones the row nor copies the bias into its output: no ``clone``,

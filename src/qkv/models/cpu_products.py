@@ -166,8 +166,9 @@ class ProductsAsReductions(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> bytes:
-        """A hash of this file: inductor's cache keys a compiled graph by it."""
-        return get_hash_for_files((__file__,))
+        """A hash of this file and the pass's name: inductor's cache keys a compiled graph by
+        it (two passes of one file must not share a key)."""
+        return get_hash_for_files((__file__,)) + type(self).__name__.encode()
 
 
 class LeanRowProducts(CustomGraphPass):
@@ -200,5 +201,6 @@ class LeanRowProducts(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> bytes:
-        """A hash of this file: inductor's cache keys a compiled graph by it."""
-        return get_hash_for_files((__file__,))
+        """A hash of this file and the pass's name: inductor's cache keys a compiled graph by
+        it (two passes of one file must not share a key)."""
+        return get_hash_for_files((__file__,)) + type(self).__name__.encode()
