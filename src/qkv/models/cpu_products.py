@@ -132,35 +132,32 @@ def _one_row_products(
         yield node, bias, x, w
 
 
-def _contiguous_row(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
-    """``x`` (``[1, K]``) realized in a buffer of its own with strides ``(K, 1)``."""
-    val = x.meta["val"]
-    row = graph.call_function(force_stride_order, (x, [val.shape[1], 1]))  # [1, K]
-    row.meta["val"] = val
-    return row
+class _OneRowPass(CustomGraphPass):
+    """An inductor post-grad pass that replaces each one-row product of a graph
+    (:func:`_one_row_products`) with :meth:`_product` of its row, realized first in a buffer of
+    its own with strides ``(K, 1)``."""
 
-
-class ProductsAsReductions(CustomGraphPass):
-    """Inductor post-grad pass: ``mm(x, w)`` and ``addmm(b, x, w)`` (beta = alpha = 1) whose
-    ``x`` is one float32 or float64 row, ``[1, K] @ [K, N]``, become ``sum(w.t() * x, dim=1)``
-    (``[N, 1]``, plus ``b``) viewed as ``[1, N]``. Other products are left alone.
-
-    Pass it as ``torch.compile(..., options={"post_grad_custom_post_pass":
-    ProductsAsReductions()})``."""
+    def _product(
+        self,
+        graph: torch.fx.Graph,
+        row: torch.fx.Node,
+        w: torch.fx.Node,
+        bias: torch.fx.Node | None,
+        val: object,
+    ) -> torch.fx.Node:
+        """The nodes computing ``row @ w (+ bias)`` (``[1, N]``), inserted where the graph
+        inserts; returns the last. ``val`` is the product's ``node.meta["val"]`` (the pass
+        gives it to the last node)."""
+        raise NotImplementedError
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         """Rewrite ``graph`` in place."""
         for node, bias, x, w in _one_row_products(graph):
+            val = x.meta["val"]
             with graph.inserting_before(node):
-                # x computed once into a buffer of its own, not inlined into the reduction,
-                # where inductor would recompute it (a LayerNorm, a SiLU) for each of N rows
-                row = _contiguous_row(graph, x)  # [1, K]
-                wt = graph.call_function(aten.permute.default, (w, [1, 0]))  # [N, K]
-                prod = graph.call_function(aten.mul.Tensor, (wt, row))  # [N, K]
-                out = graph.call_function(aten.sum.dim_IntList, (prod, [1], True))  # [N, 1]
-                out = graph.call_function(aten.permute.default, (out, [1, 0]))  # [1, N]
-                if bias is not None:
-                    out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
+                row = graph.call_function(force_stride_order, (x, [val.shape[1], 1]))  # [1, K]
+                row.meta["val"] = val
+                out = self._product(graph, row, w, bias, node.meta.get("val"))  # [1, N]
             out.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(out)
             graph.erase_node(node)
@@ -171,7 +168,35 @@ class ProductsAsReductions(CustomGraphPass):
         return get_hash_for_files((__file__,)) + type(self).__name__.encode()
 
 
-class LeanRowProducts(CustomGraphPass):
+class ProductsAsReductions(_OneRowPass):
+    """Inductor post-grad pass: ``mm(x, w)`` and ``addmm(b, x, w)`` (beta = alpha = 1) whose
+    ``x`` is one float32 or float64 row, ``[1, K] @ [K, N]``, become ``sum(w.t() * x, dim=1)``
+    (``[N, 1]``, plus ``b``) viewed as ``[1, N]``. Other products are left alone. The row is
+    computed once into a buffer of its own, not inlined into the reduction, where inductor
+    would recompute it (a LayerNorm, a SiLU) for each of the ``N`` rows.
+
+    Pass it as ``torch.compile(..., options={"post_grad_custom_post_pass":
+    ProductsAsReductions()})``."""
+
+    def _product(
+        self,
+        graph: torch.fx.Graph,
+        row: torch.fx.Node,
+        w: torch.fx.Node,
+        bias: torch.fx.Node | None,
+        val: object,
+    ) -> torch.fx.Node:
+        """``sum(w.t() * row, dim=1)`` viewed as ``[1, N]`` (plus ``bias``)."""
+        wt = graph.call_function(aten.permute.default, (w, [1, 0]))  # [N, K]
+        prod = graph.call_function(aten.mul.Tensor, (wt, row))  # [N, K]
+        out = graph.call_function(aten.sum.dim_IntList, (prod, [1], True))  # [N, 1]
+        out = graph.call_function(aten.permute.default, (out, [1, 0]))  # [1, N]
+        if bias is not None:
+            out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
+        return out
+
+
+class LeanRowProducts(_OneRowPass):
     """Inductor post-grad pass for one-row products left to ATen (MKL): each ``mm(x, w)`` and
     ``addmm(b, x, w)`` (beta = alpha = 1) whose ``x`` is one float32 or float64 row becomes
     ``mm(row, w) (+ b)``, where ``row`` is ``x`` in a buffer of its own with strides ``(K, 1)``.
@@ -187,20 +212,17 @@ class LeanRowProducts(CustomGraphPass):
     Pass it as ``torch.compile(..., options={"post_grad_custom_post_pass":
     LeanRowProducts()})``."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        """Rewrite ``graph`` in place."""
-        for node, bias, x, w in _one_row_products(graph):
-            with graph.inserting_before(node):
-                row = _contiguous_row(graph, x)  # [1, K]
-                out = graph.call_function(aten.mm.default, (row, w))  # [1, N]
-                if bias is not None:
-                    out.meta["val"] = node.meta.get("val")
-                    out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
-            out.meta["val"] = node.meta.get("val")
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-
-    def uuid(self) -> bytes:
-        """A hash of this file and the pass's name: inductor's cache keys a compiled graph by
-        it (two passes of one file must not share a key)."""
-        return get_hash_for_files((__file__,)) + type(self).__name__.encode()
+    def _product(
+        self,
+        graph: torch.fx.Graph,
+        row: torch.fx.Node,
+        w: torch.fx.Node,
+        bias: torch.fx.Node | None,
+        val: object,
+    ) -> torch.fx.Node:
+        """``mm(row, w)`` (plus ``bias``, outside the product)."""
+        out = graph.call_function(aten.mm.default, (row, w))  # [1, N]
+        if bias is not None:
+            out.meta["val"] = val
+            out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
+        return out
