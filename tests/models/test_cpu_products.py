@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,26 +66,39 @@ def _products(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rows3: torch.Te
     return one, bare, many
 
 
+def _rewritten(
+    rows_pass: Callable[[torch.fx.Graph], None], fn: Callable[..., object], *args: torch.Tensor
+) -> torch.fx.GraphModule:
+    """``fn`` traced on ``args``, rewritten in place by ``rows_pass`` and recompiled."""
+    gm = make_fx(fn)(*args)
+    rows_pass(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _matches_float64_products(gm: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> None:
+    """``gm`` (a rewritten :func:`_products`) gives its float64 recomputation's values."""
+    got = gm(*args)
+    want = _products(*(a.double() for a in args))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
 def test_pass_rewrites_one_row_products_only() -> None:
     torch.manual_seed(0)
     args = (torch.randn(1, 6), torch.randn(5, 6), torch.randn(5), torch.randn(3, 6))
-    gm = make_fx(_products)(*args)
-    before = [n.target for n in gm.graph.nodes]
+    before = [n.target for n in make_fx(_products)(*args).graph.nodes]
     assert before.count(aten.addmm.default) == 1 and before.count(aten.mm.default) == 2
-    ProductsAsReductions()(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
+    gm = _rewritten(ProductsAsReductions(), _products, *args)
     after = [n.target for n in gm.graph.nodes]
     assert aten.addmm.default not in after and after.count(aten.mm.default) == 1  # 3 rows kept
     assert after.count(aten.sum.dim_IntList) == 2
     realized = [n for n in gm.graph.nodes if "force_stride_order" in str(n.target)]
     assert len(realized) == 2  # each row computed once, then read by its reduction
     assert all(n.args[1] == [6, 1] for n in realized)
-    got = gm(*args)
-    want = _products(*(a.double() for a in args))
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape
-        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    _matches_float64_products(gm, args)
 
 
 def test_pass_leaves_low_precision_rows_alone() -> None:
@@ -118,10 +132,7 @@ def test_inductor_with_the_pass_reads_each_weight_in_its_own_loop() -> None:
 def test_lean_pass_keeps_one_row_products_for_blas() -> None:
     torch.manual_seed(0)
     args = (torch.randn(1, 6), torch.randn(5, 6), torch.randn(5), torch.randn(3, 6))
-    gm = make_fx(_products)(*args)
-    LeanRowProducts()(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
+    gm = _rewritten(LeanRowProducts(), _products, *args)
     after = [n.target for n in gm.graph.nodes]
     assert aten.addmm.default not in after and after.count(aten.mm.default) == 3
     assert aten.sum.dim_IntList not in after  # still BLAS products, not reductions
@@ -129,11 +140,7 @@ def test_lean_pass_keeps_one_row_products_for_blas() -> None:
     assert len(realized) == 2 and all(n.args[1] == [6, 1] for n in realized)
     (add,) = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     assert add.args[0].target is aten.mm.default  # the bias, outside the product
-    got = gm(*args)
-    want = _products(*(a.double() for a in args))
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape
-        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    _matches_float64_products(gm, args)
 
 
 def test_lean_pass_rewrites_a_product_that_reads_another() -> None:
@@ -144,10 +151,7 @@ def test_lean_pass_rewrites_a_product_that_reads_another() -> None:
     def chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x @ w1.t(), w2, b)  # [1, 3]
 
-    gm = make_fx(chain)(x, w1, w2, b)
-    LeanRowProducts()(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
+    gm = _rewritten(LeanRowProducts(), chain, x, w1, w2, b)
     want = chain(x.double(), w1.double(), w2.double(), b.double())
     torch.testing.assert_close(gm(x, w1, w2, b).double(), want, atol=1e-5, rtol=1e-5)
 
