@@ -29,8 +29,9 @@ def eager_program(
 
     Args:
         program: the program it stands in for (its ``compiled`` count goes up by one).
-        ids: ``[N]`` an example sentence's ids (unused, as the real one only traces with them).
-        types: ``[N]`` its token types (unused).
+        ids: ``[1, N]`` an example sentence's ids (unused, as the real one only traces with
+            them).
+        types: ``[1, N]`` its token types (unused).
         weights: the weight list, frozen or not.
         frozen: as :meth:`OneSentenceProgram._compile`.
 
@@ -41,5 +42,5 @@ def eager_program(
     plan = dataclasses.replace(program.plan(), frozen=frozen)
     if frozen:
         baked = [w.clone() for w in weights]
-        return lambda flat: [encode_one(baked, flat[0], flat[1], plan)]
-    return lambda flat: [encode_one(flat[2:], flat[0], flat[1], plan)]
+        return lambda flat: [encode_one(baked, flat[0][0], flat[1][0], plan)]
+    return lambda flat: [encode_one(flat[2:], flat[0][0], flat[1][0], plan)]

@@ -160,6 +160,15 @@ def test_one_sentence_is_checked_on_the_host(
     ]:
         torch.testing.assert_close(compiled(i, m, t), want, atol=1e-6, rtol=0)
     assert packed == [] and compiled._one.compiled == 1
+    # without padding the caller's row itself goes on (the program copies it only if it must)
+    given: list[torch.Tensor] = []
+    run_one = compiled._run_one
+    monkeypatch.setattr(compiled, "_run_one", lambda i, t: (given.append(i), run_one(i, t))[1])
+    full = batch([6], 6, seed=2)
+    torch.testing.assert_close(compiled(*full), eager(model, *full), atol=1e-6, rtol=0)
+    assert given[-1] is full[0]
+    compiled(ids, mask, types)  # padded: the real tokens only, a new [1, 5] row
+    assert given[-1].shape == (1, 5) and torch.equal(given[-1], ids[:, :5])
     one_token = batch([1], 4)
     torch.testing.assert_close(compiled(*one_token), eager(model, *one_token), atol=1e-6, rtol=0)
     assert packed == [1]  # fewer than 2 tokens: the packed graph

@@ -78,6 +78,14 @@ never frozen into a program: its shared library holds them as data, and past ~2 
 other linking; a copy of them also stays in memory beside the model's own."""
 
 
+def _program_input(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` as the program takes it: int64, contiguous, on ``like``'s device (``t`` itself
+    where it is so: no copy for a tokenizer's row on the CPU)."""
+    if t.dtype is torch.int64 and t.device == like.device and t.is_contiguous():
+        return t
+    return t.to(like.device, torch.int64).contiguous()
+
+
 def _freezes(sources: list[Tensor]) -> bool:
     """Whether the first program freezes these weights: where MKL does not read fast
     (:func:`~qkv.models.cpu_products.mkl_reads_fast`) and they hold at most
@@ -154,7 +162,7 @@ class _Exported(nn.Module):
         self.plan = plan
 
     def forward(self, ids: Tensor, types: Tensor, *weights: Tensor) -> Tensor:
-        return encode_one(weights, ids, types, self.plan)  # [1, D]
+        return encode_one(weights, ids[0], types[0], self.plan)  # [1, D]
 
 
 class _Frozen(nn.Module):
@@ -170,7 +178,7 @@ class _Frozen(nn.Module):
 
     def forward(self, ids: Tensor, types: Tensor) -> Tensor:
         weights = [cast(Tensor, getattr(self, f"w{i}")) for i in range(self.count)]
-        return encode_one(weights, ids, types, self.plan)  # [1, D]
+        return encode_one(weights, ids[0], types[0], self.plan)  # [1, D]
 
 
 class OneSentenceProgram:
@@ -319,23 +327,31 @@ class OneSentenceProgram:
         """Embed one sentence.
 
         Args:
-            ids: ``[N]`` int64 token ids, ``2 <= N <= max_position_embeddings``, all real.
-            types: ``[N]`` int64 token type ids.
+            ids: ``[1, N]`` token ids (a batch of one, as a tokenizer gives it),
+                ``2 <= N <= max_position_embeddings``, all real. The program takes int64,
+                contiguous, on the weights' device: other ids are copied so first.
+            types: ``[1, N]`` token type ids, likewise.
 
         Returns:
             ``[1, D]`` unit-length embedding.
 
         Raises:
-            ValueError: ``N`` outside ``[2, max_position_embeddings]`` or ``ids`` and
-                ``types`` of different shapes (the values are the caller's to check).
+            ValueError: ``ids`` and ``types`` not both of one shape ``[1, N]``, or ``N``
+                outside ``[2, max_position_embeddings]`` (the values are the caller's to
+                check).
         """
         limit = self.model.config.max_position_embeddings
-        if ids.dim() != 1 or ids.shape != types.shape or not 2 <= ids.shape[0] <= limit:
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape != types.shape:
             raise ValueError(
-                f"ids and types must both be [N] with 2 <= N <= {limit}, got "
+                f"ids and types must both be [1, N], got {list(ids.shape)} and {list(types.shape)}"
+            )
+        if not 2 <= ids.shape[1] <= limit:
+            raise ValueError(
+                f"ids and types must both be [1, N] with 2 <= N <= {limit}, got "
                 f"{list(ids.shape)} and {list(types.shape)}"
             )
         tensors, now = self._fingerprinted()
+        ids, types = _program_input(ids, tensors[0]), _program_input(types, tensors[0])
         if not self.reads_weights and self._run is None and not _freezes(tensors):
             self.reads_weights = True  # MKL reads fast here, or the weights are too large
         if not self.reads_weights:
@@ -358,8 +374,8 @@ class OneSentenceProgram:
         """Export :func:`encode_one` with a dynamic token count and compile it with AOTInductor.
 
         Args:
-            ids: ``[N]`` an example sentence's ids.
-            types: ``[N]`` its token types.
+            ids: ``[1, N]`` an example sentence's ids.
+            types: ``[1, N]`` its token types.
             weights: the weight list (:meth:`weights`, or its row-major form when ``frozen``).
             frozen: make the weights the program's constants, packed by inductor's freezing,
                 instead of its inputs.
@@ -375,10 +391,10 @@ class OneSentenceProgram:
         dims: tuple[object, ...]
         if frozen:
             module = _Frozen(dataclasses.replace(self.plan(), frozen=True), weights)
-            example, dims = (ids, types), ({0: n}, {0: n})
+            example, dims = (ids, types), ({1: n}, {1: n})
         else:
             module = _Exported(self.plan())
-            example, dims = (ids, types, *weights), ({0: n}, {0: n}, (None,) * len(weights))
+            example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
             with tempfile.TemporaryDirectory() as tmp:
