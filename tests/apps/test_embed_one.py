@@ -90,6 +90,14 @@ def test_weights_are_remade_only_when_a_source_changed() -> None:
     check()
     model.embeddings.norm.weight.data = torch.rand(CONFIG.hidden_size)  # storage swapped
     check()
+    # replaced by its own transpose: the same storage address and version counter, another
+    # object (only the identity tells)
+    q = layer.self_attn.q_proj
+    before, old = program.weights(), (q.weight.data_ptr(), q.weight._version)
+    q.weight = nn.Parameter(q.weight.detach().t())
+    assert (q.weight.data_ptr(), q.weight._version) == old
+    assert program.weights() is not before
+    check()
 
 
 def test_supports_and_refusals() -> None:
