@@ -119,7 +119,9 @@ def test_supports_and_refusals() -> None:
             program(*(t[None] for t in sentence(n)))
     with pytest.raises(ValueError, match=r"\[1, 4\] and \[1, 3\]"):
         program(sentence(4)[0][None], sentence(3)[1][None])
-    with pytest.raises(ValueError, match=r"must both be \[1, N\], got \[4\] and \[4\]"):
+    with pytest.raises(
+        ValueError, match=r"must both be \[1, N\] with 2 <= N <= 24, got \[4\] and \[4\]"
+    ):
         program(*sentence(4))  # one sentence is a batch of one
     with pytest.raises(ValueError, match=r"got \[2, 4\]"):
         program(*(torch.stack([t, t]) for t in sentence(4)))

@@ -288,11 +288,9 @@ class OneSentenceProgram:
 
         A source changed when it is another object (a replaced parameter), has another storage
         address (``.to()``, ``.data =``) or another version (an in-place write). The sources
-        found last are kept: while the model's submodules and their slots still hold those very
-        objects (two C-level passes of ``is``, no lists; ~20 us less a call than making the
-        source and identity lists after the program has evicted the caches), they are the
-        sources; otherwise :meth:`_sources` reads them anew and a ``None`` (a removed
-        parameter) is looked for.
+        found last stand while the modules still hold those very objects (two C-level passes
+        of ``is``: ~20 us a call less than making the lists anew on cold caches); otherwise
+        :meth:`_sources` reads them again and a ``None`` (a removed parameter) is refused.
 
         Raises:
             ValueError: a weight or bias of the model was set to ``None``.
@@ -309,11 +307,8 @@ class OneSentenceProgram:
                 raise ValueError("a weight or bias of the model was removed since it was checked")
             tensors = self._tensors = cast(list[Tensor], sources)
             self._known = list(map(id, tensors))
-        return tensors, (
-            self._known,
-            list(map(Tensor.data_ptr, tensors)),
-            list(map(_VERSION, tensors)),
-        )
+        pointers, versions = list(map(Tensor.data_ptr, tensors)), list(map(_VERSION, tensors))
+        return tensors, (self._known, pointers, versions)
 
     def weights(self) -> list[Tensor]:
         """The weight inputs of the program that reads them, remade when a source tensor
@@ -357,11 +352,8 @@ class OneSentenceProgram:
                 check).
         """
         limit = self.model.config.max_position_embeddings
-        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape != types.shape:
-            raise ValueError(
-                f"ids and types must both be [1, N], got {list(ids.shape)} and {list(types.shape)}"
-            )
-        if not 2 <= ids.shape[1] <= limit:
+        shape = ids.shape
+        if len(shape) != 2 or shape[0] != 1 or shape != types.shape or not 2 <= shape[1] <= limit:
             raise ValueError(
                 f"ids and types must both be [1, N] with 2 <= N <= {limit}, got "
                 f"{list(ids.shape)} and {list(types.shape)}"
