@@ -153,12 +153,12 @@ class _OneRowPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         """Rewrite ``graph`` in place."""
         for node, bias, x, w in _one_row_products(graph):
-            val = x.meta["val"]
+            val, product = x.meta["val"], node.meta.get("val")
             with graph.inserting_before(node):
                 row = graph.call_function(force_stride_order, (x, [val.shape[1], 1]))  # [1, K]
                 row.meta["val"] = val
-                out = self._product(graph, row, w, bias, node.meta.get("val"))  # [1, N]
-            out.meta["val"] = node.meta.get("val")
+                out = self._product(graph, row, w, bias, product)  # [1, N]
+            out.meta["val"] = product
             node.replace_all_uses_with(out)
             graph.erase_node(node)
 

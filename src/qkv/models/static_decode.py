@@ -225,9 +225,10 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
         mkl = mkl_reads_fast()
         key = "cpu" if mkl else "cpu, inductor products"  # a step per policy (it may change)
         if key not in _COMPILED:
-            rows = LeanRowProducts() if mkl else ProductsAsReductions()
-            options: dict[str, str | int | bool | Callable[..., object]] = {"cpp_wrapper": True}
-            options["post_grad_custom_post_pass"] = rows
+            options: dict[str, str | int | bool | Callable[..., object]] = {
+                "cpp_wrapper": True,
+                "post_grad_custom_post_pass": LeanRowProducts() if mkl else ProductsAsReductions(),
+            }
             _COMPILED[key] = torch.compile(
                 _relaid_step, fullgraph=True, dynamic=False, options=options
             )
