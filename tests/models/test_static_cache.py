@@ -17,6 +17,7 @@ import qkv.models.static_decode as static_decode
 import qkv.models.weight_copies as weight_copies
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
 from qkv.models.cpu_products import LeanRowProducts, ProductsAsReductions
+from qkv.models.direct_step import DirectCall, Record, RecordingBackend
 from qkv.nn import MultiHeadAttention
 from qkv.nn.static_kv_cache import StaticKVCache
 
@@ -142,7 +143,8 @@ def test_compiled_step_is_one_graph_over_256_steps(
     options: list[object] = []
 
     def recording(fn, **kw):  # type: ignore[no-untyped-def]
-        options.append(kw.get("options"))
+        backend = kw.get("backend")
+        options.append(backend.options if isinstance(backend, RecordingBackend) else None)
         return compile_(fn, **{**kw, "backend": "eager", "mode": None, "options": None})
 
     monkeypatch.setattr(static_decode, "_COMPILED", {})
@@ -528,3 +530,132 @@ def test_each_products_policy_has_its_own_step_and_copies(monkeypatch: pytest.Mo
     N, K = model.get_parameter(name.removeprefix("model.")).shape
     assert strides == [(1, N), (K, 1), (1, N)]
     assert len(static_decode._COMPILED) == 2  # one step per policy, reused on the way back
+
+
+def _direct_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B = 1 steps compiled by a RecordingBackend around dynamo's graph itself (no inductor)."""
+    monkeypatch.setattr(static_decode, "_COMPILED", {})
+    monkeypatch.setattr(
+        static_decode,
+        "RecordingBackend",
+        lambda options: RecordingBackend(options, compile=lambda gm, _: gm),
+    )
+    torch._dynamo.reset()
+
+
+def _counted(decoder: static_decode.StaticDecoder) -> list[int]:
+    """Count the calls of ``decoder``'s compiled step (through dynamo) in the returned list."""
+    calls, step = [0], decoder._step
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return step(*args)
+
+    decoder._step = counting
+    return calls
+
+
+def _decode(decoder: static_decode.StaticDecoder, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Each step's logits ``[steps, V]`` after the ``[1, T0]`` prompt, greedy."""
+    logits = [decoder.prefill(ids, None)]
+    for s in range(steps):
+        token = logits[-1].argmax(-1)  # [1]
+        logits.append(decoder.step(token, ids.shape[1] + s))
+    return torch.cat(logits[1:])  # [steps, V]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_later_steps_call_the_graph_without_dynamo(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """B = 1, unattended: the first step goes through dynamo (guards checked); the later ones
+    call the graph it recorded with that step's tokens, position, window and window length
+    replaced, and give the eager step's logits; generate gives the eager tokens."""
+    _direct_backend(monkeypatch)
+    _threads(monkeypatch)
+    model, ids = _model(kind), _prompts()[0][:1]  # [1, T0]
+    want = _decode(static_decode.StaticDecoder(model, 1, 64, compile=False), ids, 9)
+    decoder = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+    calls = _counted(decoder)
+    got = _decode(decoder, ids, 9)
+    assert calls == [1] and decoder._direct is not None
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for prompt in (ids, ids[:, 3:]):  # another prompt length, another generation
+        tokens = model.generate(prompt, 20, greedy=True, compile=True)
+        assert torch.equal(tokens, model.generate(prompt, 20, greedy=True))
+
+
+def test_steps_go_through_dynamo_where_guards_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No direct call for a decoder that checks every step (a streamer), while another thread
+    is alive, under a stance of the caller's (force_eager: nothing recorded), or for a step in
+    another grad mode than the first (dynamo then checks its guards and compiles another
+    graph)."""
+    _direct_backend(monkeypatch)
+    model, ids = _model("llama"), _prompts()[0][:1]  # [1, T0]
+    want = _decode(static_decode.StaticDecoder(model, 1, 64, compile=False), ids, 4)
+    _threads(monkeypatch)
+    checked = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=False)
+    calls = _counted(checked)
+    torch.testing.assert_close(_decode(checked, ids, 4), want, atol=1e-5, rtol=1e-5)
+    assert calls == [4] and checked._direct is None
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        _threads(monkeypatch, other)
+        crowded = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+        calls = _counted(crowded)
+        torch.testing.assert_close(_decode(crowded, ids, 4), want, atol=1e-5, rtol=1e-5)
+        assert calls == [4] and crowded._direct is None
+    finally:
+        done.set()
+        other.join()
+    _threads(monkeypatch)
+    with torch.compiler.set_stance("force_eager"):
+        forced = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+        torch.testing.assert_close(_decode(forced, ids, 4), want, atol=1e-5, rtol=1e-5)
+        assert forced._direct is None
+    decoder = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
+    calls = _counted(decoder)
+    got = [decoder.prefill(ids, None), decoder.step(ids[:, -1], ids.shape[1])]
+    assert decoder._direct is not None
+    with torch.enable_grad():  # checked in full (a recompile), not the direct call
+        got.append(decoder.step(ids[:, -2], ids.shape[1] + 1))
+    assert calls == [2]
+    eager = static_decode.StaticDecoder(model, 1, 64, compile=False)
+    eager.prefill(ids, None)
+    for s, token in enumerate((ids[:, -1], ids[:, -2])):
+        torch.testing.assert_close(
+            got[s + 1], eager.step(token, ids.shape[1] + s), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_a_record_becomes_a_direct_call_only_when_it_can() -> None:
+    """DirectCall.of: each of the step's tensors once among the inputs, every size readable from
+    a tensor (here a window's length and its row stride), the logits first among the outputs
+    and nothing but sizes after them; the call replaces the three tensors and their sizes."""
+    weight, padding = torch.randn(4), torch.zeros(1, 16, dtype=torch.bool)  # [4], [1, C]
+
+    def fn(weight, ids, pos, window, n, stride):  # type: ignore[no-untyped-def]
+        assert window.shape[1] == n and window.stride(0) == stride
+        return [weight[ids[0]] + pos + n, n]  # [1]
+
+    ids, pos, window = torch.tensor([[1]]), torch.tensor([5]), padding[:, :6]
+    args = (weight, ids, pos, window, 6, 16)
+    sizes = ((4, 3, 1), (5, 3, -1))  # n: window's dim 1; its row stride: window's stride 0
+    out = fn(*args)
+    step = (ids, pos, window)
+    direct = DirectCall.of(Record(fn, args, out, sizes), step, out[0])
+    assert direct is not None
+    got = direct(torch.tensor([[2]]), torch.tensor([6]), padding[:, :7])
+    torch.testing.assert_close(got, weight[2:3] + 6 + 7)
+    refused = [
+        Record(fn, args, out, None),  # a size found in no tensor
+        Record(fn, args, out, ((4, 3, 0),)),  # a size that is not what its tensor says
+        Record(fn, (weight, ids, pos, window, window, 6, 16), out, sizes),  # the window twice
+        Record(fn, (weight, pos, window, 6, 16), out, sizes),  # no ids
+        Record(fn, args, [out[0], weight], sizes),  # another tensor out
+        Record(fn, args, [out[0].clone(), 6], sizes),  # not the logits dynamo returned
+    ]
+    for record in refused:
+        assert DirectCall.of(record, step, out[0]) is None

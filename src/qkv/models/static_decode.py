@@ -64,6 +64,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
 from typing import cast
 
@@ -77,6 +78,7 @@ from qkv.models.cpu_products import (
     frozen_configs,
     mkl_reads_fast,
 )
+from qkv.models.direct_step import DirectCall, RecordingBackend
 from qkv.models.protocols import DecoderOnlyModel
 from qkv.models.weight_copies import fused_qkv_weights, linear_weights
 from qkv.nn.static_kv_cache import StaticKVCache
@@ -105,6 +107,9 @@ def _step(
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
 """The compiled step per device kind (and on the CPU per products policy), for devices whose
 graphs read the weights as inputs."""
+
+_BACKENDS: dict[str, RecordingBackend] = {}
+"""The backend of each CPU entry of :data:`_COMPILED` (for :class:`DirectCall`)."""
 
 Fingerprint = tuple[tuple[int, int], ...]
 _FROZEN: weakref.WeakKeyDictionary[nn.Module, tuple[Fingerprint, Step]] = (
@@ -178,6 +183,27 @@ def _relaid_step(
     return torch.func.functional_call(wrapper, weights, (ids, cache, pos, window))  # [B, V]
 
 
+@dataclass(frozen=True)
+class _OneRowStep:
+    """The B = 1 CPU step: ``run`` (compiled with ``backend``) on ``weights`` through
+    ``wrapper``; called as a :data:`Step`."""
+
+    run: Callable[..., Tensor]
+    wrapper: _Forward
+    weights: dict[str, Tensor]
+    backend: RecordingBackend
+
+    def __call__(
+        self,
+        _: DecoderOnlyModel,
+        ids: Tensor,
+        cache: StaticKVCache,
+        pos: Tensor,
+        window: Tensor | None,
+    ) -> Tensor:
+        return self.run(self.wrapper, self.weights, ids, cache, pos, window)  # [B, V]
+
+
 _RELAID: weakref.WeakKeyDictionary[
     nn.Module, tuple[tuple[Fingerprint, bool], dict[str, Tensor]]
 ] = weakref.WeakKeyDictionary()
@@ -225,15 +251,16 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
         mkl = mkl_reads_fast()
         key = "cpu" if mkl else "cpu, inductor products"  # a step per policy (it may change)
         if key not in _COMPILED:
-            options: dict[str, str | int | bool | Callable[..., object]] = {
+            options: dict[str, object] = {
                 "cpp_wrapper": True,
                 "post_grad_custom_post_pass": LeanRowProducts() if mkl else ProductsAsReductions(),
             }
+            _BACKENDS[key] = backend = RecordingBackend(options)
             _COMPILED[key] = torch.compile(
-                _relaid_step, fullgraph=True, dynamic=False, options=options
+                _relaid_step, fullgraph=True, dynamic=False, backend=backend
             )
-        run, wrapper, weights = _COMPILED[key], _Forward(model), relaid_weights(model)
-        return lambda _, ids, cache, pos, window: run(wrapper, weights, ids, cache, pos, window)
+        weights = relaid_weights(model)
+        return _OneRowStep(_COMPILED[key], _Forward(model), weights, _BACKENDS[key])
     now = fingerprint(model)
     known = _FROZEN.get(model)
     if known is None or known[0] != now:
@@ -242,21 +269,26 @@ def compiled_step(model: DecoderOnlyModel, device: torch.device, batch_size: int
     return known[1]
 
 
-def _guards_skipped() -> contextlib.AbstractContextManager[object]:
-    """``torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)``, or nothing when
-    that could reach beyond this step: when the caller has set a stance of its own
-    (``force_eager``, a backend, ...), which a ``"default"`` stance would override, or when
-    another Python thread is alive (the stance is the process's, not the thread's: another
-    thread's compiled call, a first step of another model, would skip its check too; tqdm's
-    monitor, which ``transformers`` starts and which only refreshes progress bars, does not
-    count)."""
+def _may_skip_guards() -> bool:
+    """Whether a step may skip dynamo's guard check (or dynamo itself, :class:`DirectCall`):
+    not when the caller has set a stance of its own (``force_eager``, a backend, ...), which a
+    ``"default"`` stance would override, nor when another Python thread is alive (the stance is
+    the process's, not the thread's: another thread's compiled call, a first step of another
+    model, would skip its check too; tqdm's monitor, which ``transformers`` starts and which
+    only refreshes progress bars, does not count)."""
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not type(t).__module__.startswith("tqdm."):
-            return contextlib.nullcontext()
+            return False
     now = getattr(torch._dynamo.eval_frame, "_stance", None)
     default = getattr(torch._dynamo.eval_frame, "DynamoStance", None)
-    if now is None or default is None or now != default():
+    return now is not None and default is not None and now == default()
+
+
+def _guards_skipped() -> contextlib.AbstractContextManager[object]:
+    """``torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)`` where
+    :func:`_may_skip_guards`, else nothing."""
+    if not _may_skip_guards():
         return contextlib.nullcontext()
     return cast(
         contextlib.AbstractContextManager[object],
@@ -290,6 +322,9 @@ class StaticDecoder:
             0.966x the time on 2 threads and 0.974x on 1 (B=8: 0.987x). A step that would
             need a recompile is caught by the first step's check, since every step of a
             generation passes the same guards (the compiled-step tests check each step).
+            At B = 1 on the CPU the later steps skip dynamo altogether: they call the graph
+            the first step ran, with that step's inputs (:class:`~qkv.models.direct_step.
+            DirectCall`; while no other thread is alive, in the first step's grad mode).
 
     The prompt attends over its own slots and, on the CPU, each step over the slots written so
     far (:meth:`StaticKVCache.window`, its length marked dynamic so that the step still
@@ -330,6 +365,10 @@ class StaticDecoder:
             ):
                 torch._dynamo.mark_dynamic(t, 0)  # [B, ...]
         # one row on the CPU: the prompt too reads the column-major copies the step reads
+        one_row = self._step if isinstance(self._step, _OneRowStep) else None
+        self._backend = one_row.backend if one_row is not None and self._skip_guards else None
+        self._direct: DirectCall | None = None  # the later steps, called without dynamo
+        self._grad: bool | None = None  # grad mode of the first step
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
 
@@ -354,14 +393,26 @@ class StaticDecoder:
         position = torch.full((1,), slot, dtype=torch.long, device=tokens.device)  # [1]
         window = self.cache.window(slot + 1) if self._windowed else None  # [B, slot + 1]
         ids = tokens[:, None]  # [B, 1]
+        same_mode = torch.is_grad_enabled() == self._grad  # as the first step's
+        direct = self._direct
+        if direct is not None and window is not None and same_mode and _may_skip_guards():
+            return direct(ids, position, window)  # [B, V]
         if window is not None and self._dynamic:
             torch._dynamo.mark_dynamic(window, 1)  # one graph for every step's length
         if self._batch_dynamic and window is not None:
             for t in (ids, window):
                 torch._dynamo.mark_dynamic(t, 0)
-        skip = self._guarded and self._skip_guards  # the first step passed the full check
-        with _guards_skipped() if skip else contextlib.nullcontext():
-            logits = self._step(self.model, ids, self.cache, position, window)  # [B, V]
-        self._guarded = True
+        skip = self._guarded and self._skip_guards and same_mode  # the first step was checked
+        backend = self._backend if self._skip_guards and not self._guarded else None
+        if backend is not None:
+            backend.arm()  # record the first step, to call the graph directly after it
+        try:
+            with _guards_skipped() if skip else contextlib.nullcontext():
+                logits = self._step(self.model, ids, self.cache, position, window)  # [B, V]
+        finally:
+            record = backend.take() if backend is not None else None  # (disarmed either way)
+        if record is not None and window is not None and _may_skip_guards():
+            self._direct = DirectCall.of(record, (ids, position, window), logits)
+        self._guarded, self._grad = True, self._grad if self._guarded else torch.is_grad_enabled()
         # CUDA graphs reuse their output buffer: keep this step's logits
         return logits.clone() if logits.device.type == "cuda" else logits
