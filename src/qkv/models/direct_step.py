@@ -4,23 +4,25 @@ Under ``torch.compile`` every call of a step goes through dynamo: it looks the f
 cache, checks (or, with ``skip_guard_eval_unsafe``, mostly skips) its guards, and runs the
 bytecode that collects the graph's ~200 inputs (every weight, every cache tensor) from the
 frame before it calls the compiled graph. On GPT-2 small's B = 1 CPU step (an AMD EPYC, Zen 3,
-2 threads, ``torch.profiler``, guards already skipped) that was ~0.65 ms of an ~18 ms step: the
-cache lookup 0.35 ms, the bytecode before the graph 0.12 ms, the compiled region's own time
-0.18 ms.
+2 threads, guards already skipped) ``torch.profiler`` put that at ~0.65 ms of an ~18 ms step
+(the cache lookup 0.35 ms, the bytecode before the graph 0.12 ms, the compiled region's own
+time 0.18 ms); calling the graph directly instead, two decoders stepped in turn in one process,
+made each step 0.95x the time (paired median over 5 x 62 steps; ~1 ms a step).
 
 Within one generation only three of those inputs change from step to step: the ``[1, 1]``
 tokens, the ``[1]`` cache position and the ``[1, n]`` window of written slots (with ``n``, a
-dynamic size); the weights, the cache tensors and the model are the same objects at every step
+dynamic size, and the window's row stride, the capacity, another); the weights, the cache
+tensors and the model are the same objects at every step
 (:class:`~qkv.models.static_decode.StaticDecoder` with ``skip_guards`` relies on that already).
-So :class:`RecordingBackend` compiles each graph as usual and keeps, for the graph called last,
-its compiled function and the inputs it was called with; after a generation's first step,
-whose guards dynamo checked in full, :meth:`DirectCall.of` finds where in those inputs the
-three tensors of that step sit and which tensor dimension each dynamic size was read from, and
-later steps call the compiled function with the same list, those three tensors and the sizes
-read from them replaced. What dynamo would have done after the graph, set the attributes of
-:meth:`~qkv.nn.static_kv_cache.StaticKVCache.prepare` (the step's position and window length,
-which only the step itself reads, and which the next generation's ``start`` resets), is left
-undone: they keep the first step's values.
+So :class:`RecordingBackend` compiles each graph as usual and records the one call made after
+:meth:`~RecordingBackend.arm`: the compiled function and its inputs. After a generation's first
+step, whose guards dynamo checked in full, :meth:`DirectCall.of` finds where in those inputs
+the three tensors of that step sit and which tensor size or stride each dynamic size was read
+from, and later steps call the compiled function with the same list, those three tensors and
+the sizes read from them replaced. What dynamo would have done after the graph, set the
+attributes of :meth:`~qkv.nn.static_kv_cache.StaticKVCache.prepare` (the step's position and
+window length, which only the step itself reads, and which the next generation's ``start``
+resets), is left undone: they keep the first step's values.
 
 Shapes: V vocabulary, n slots attended over.
 """
@@ -44,7 +46,8 @@ CompileGraph = Callable[[torch.fx.GraphModule, list[object]], Callable[..., obje
 @dataclass(frozen=True)
 class Record:
     """One call of a compiled graph: its function, its inputs, its output and where each dynamic
-    size among the inputs can be read (``(input, tensor input, dim)``)."""
+    size among the inputs can be read (``(input, tensor input, d)``, see :func:`_size_sources`;
+    None where one cannot be)."""
 
     fn: Callable[..., object]
     args: tuple[object, ...]

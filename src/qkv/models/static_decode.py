@@ -29,7 +29,10 @@ column-major weights at B=1 (where prepacking gains nothing). So:
   was 1.02x the time, so B > 1 keeps the Python wrapper). Each one-row product reaches MKL as
   a contiguous row with its bias added outside it
   (:class:`~qkv.models.cpu_products.LeanRowProducts`: no clone of the row, no copy of the
-  bias, ~1.2 ms of a 36 ms GPT-2 small step on an Intel Xeon, 1 thread).
+  bias, ~1.2 ms of a 36 ms GPT-2 small step on an Intel Xeon, 1 thread). After a generation's
+  first step, the later ones call its compiled graph without dynamo
+  (:mod:`qkv.models.direct_step`: 0.95x the time of a GPT-2 small step on a Zen 3 EPYC, 2
+  threads).
 * **B > 1**: the step is compiled with inductor's *freezing* (``torch._inductor.config.freezing``):
   parameters and buffers become constants of the graph and inductor packs each ``Linear``
   weight for MKL once.
