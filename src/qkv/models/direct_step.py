@@ -35,7 +35,7 @@ from typing import cast
 
 import torch
 from torch import Tensor
-from torch._inductor.compile_fx import compile_fx
+from torch._dynamo import lookup_backend
 
 __all__ = ["CompileGraph", "DirectCall", "Record", "RecordingBackend"]
 
@@ -93,9 +93,9 @@ def _size(tensor: Tensor, d: int) -> int:
 
 
 class RecordingBackend:
-    """A ``torch.compile`` backend that compiles each graph with inductor (``compile_fx`` with
-    ``options``), or with ``compile`` where given, and records the first call of any of its
-    graphs after :meth:`arm`, for :meth:`DirectCall.of`.
+    """A ``torch.compile`` backend that compiles each graph with inductor (dynamo's
+    ``"inductor"`` backend with ``options``), or with ``compile`` where given, and records the
+    first call of any of its graphs after :meth:`arm`, for :meth:`DirectCall.of`.
 
     Only an armed call is recorded: a record holds its inputs (the weights, the cache), which
     must not outlive the generation that asked for them.
@@ -120,9 +120,9 @@ class RecordingBackend:
         fn: Callable[..., object]
         if self._compile is not None:
             fn = self._compile(gm, example_inputs)
-        else:  # a graph's function (compile_fx's other returns are for AOT export)
-            inputs = cast(list[Tensor | int | torch.SymInt | None], example_inputs)
-            fn = cast(Callable[..., object], compile_fx(gm, inputs, config_patches=self.options))
+        else:  # dynamo's "inductor" (which imports inductor's compiler only when first used)
+            inductor = cast(Callable[..., Callable[..., object]], lookup_backend("inductor"))
+            fn = inductor(gm, example_inputs, config_patches=self.options)
         sizes = _size_sources(gm)
 
         def recorded(*args: object) -> object:

@@ -326,8 +326,9 @@ class StaticDecoder:
             need a recompile is caught by the first step's check, since every step of a
             generation passes the same guards (the compiled-step tests check each step).
             At B = 1 on the CPU the later steps skip dynamo altogether: they call the graph
-            the first step ran, with that step's inputs (:class:`~qkv.models.direct_step.
-            DirectCall`; while no other thread is alive, in the first step's grad mode).
+            the first step ran, with that step's inputs
+            (:class:`~qkv.models.direct_step.DirectCall`; while no other thread is alive, in
+            the first step's grad mode).
 
     The prompt attends over its own slots and, on the CPU, each step over the slots written so
     far (:meth:`StaticKVCache.window`, its length marked dynamic so that the step still
@@ -367,11 +368,11 @@ class StaticDecoder:
                 self.cache.pad_count,
             ):
                 torch._dynamo.mark_dynamic(t, 0)  # [B, ...]
-        # one row on the CPU: the prompt too reads the column-major copies the step reads
         one_row = self._step if isinstance(self._step, _OneRowStep) else None
         self._backend = one_row.backend if one_row is not None and self._skip_guards else None
         self._direct: DirectCall | None = None  # the later steps, called without dynamo
         self._grad: bool | None = None  # grad mode of the first step
+        # one row on the CPU: the prompt too reads the column-major copies the step reads
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
 
