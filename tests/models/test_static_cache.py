@@ -606,7 +606,7 @@ def test_steps_go_through_dynamo_where_guards_are_checked(monkeypatch: pytest.Mo
         crowded = static_decode.StaticDecoder(model, 1, 64, compile=True, skip_guards=True)
         calls = _counted(crowded)
         torch.testing.assert_close(_decode(crowded, ids, 4), want, atol=1e-5, rtol=1e-5)
-        assert calls == [4] and crowded._direct is None
+        assert calls == [4]  # every step through dynamo, its guards checked
     finally:
         done.set()
         other.join()

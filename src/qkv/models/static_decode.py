@@ -407,7 +407,7 @@ class StaticDecoder:
             for t in (ids, window):
                 torch._dynamo.mark_dynamic(t, 0)
         skip = self._guarded and self._skip_guards and same_mode  # the first step was checked
-        backend = self._backend if self._skip_guards and not self._guarded else None
+        backend = None if self._guarded else self._backend  # (set only with skip_guards)
         if backend is not None:
             backend.arm()  # record the first step, to call the graph directly after it
         try:
@@ -415,8 +415,9 @@ class StaticDecoder:
                 logits = self._step(self.model, ids, self.cache, position, window)  # [B, V]
         finally:
             record = backend.take() if backend is not None else None  # (disarmed either way)
-        if record is not None and window is not None and _may_skip_guards():
+        if record is not None and window is not None:
             self._direct = DirectCall.of(record, (ids, position, window), logits)
-        self._guarded, self._grad = True, self._grad if self._guarded else torch.is_grad_enabled()
+        if not self._guarded:
+            self._guarded, self._grad = True, torch.is_grad_enabled()
         # CUDA graphs reuse their output buffer: keep this step's logits
         return logits.clone() if logits.device.type == "cuda" else logits
