@@ -155,12 +155,15 @@ class DirectCall:
         self,
         record: Record,
         slots: tuple[int, int, int],
-        sizes: tuple[tuple[int, int, int], ...],
+        moving: tuple[tuple[int, int, int], ...],
     ) -> None:
+        """``slots``: where the tokens, position and window sit among the record's inputs;
+        ``moving``: the sizes read from those three (the others, each cache tensor's capacity,
+        stay as recorded: the same tensors at every step)."""
         self._fn = record.fn
         self._args = list(record.args)
         self._slots = slots
-        self._sizes = sizes
+        self._moving = moving
 
     @classmethod
     def of(
@@ -180,7 +183,7 @@ class DirectCall:
             None unless the record's inputs hold each of ``step`` exactly once, its dynamic
             sizes can each be read from a tensor input, and its output is ``logits`` followed
             by sizes only (dynamo returned the graph's one tensor as it is; the sizes are what
-            it sets the cache's attributes to, below).
+            it sets the cache's attributes to, see the module docstring).
         """
         if record.sizes is None:
             return None
@@ -197,7 +200,8 @@ class DirectCall:
             tensor = record.args[t]
             if not isinstance(tensor, Tensor) or _size(tensor, d) != record.args[i]:
                 return None
-        return cls(record, (tokens, position, window), record.sizes)
+        moving = tuple(size for size in record.sizes if size[1] in (tokens, position, window))
+        return cls(record, (tokens, position, window), moving)
 
     def __call__(self, tokens: Tensor, position: Tensor, window: Tensor) -> Tensor:
         """The step for ``[1, 1]`` tokens at ``[1]`` position over the ``[1, n]`` window ->
@@ -206,7 +210,7 @@ class DirectCall:
         args = self._args
         t, p, w = self._slots
         args[t], args[p], args[w] = tokens, position, window
-        for i, tensor, d in self._sizes:
+        for i, tensor, d in self._moving:
             args[i] = _size(args[tensor], d)  # type: ignore[arg-type]
         out = self._fn(*args)
         return out[0]  # type: ignore[index]  # [1, V]
