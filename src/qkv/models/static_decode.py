@@ -82,6 +82,7 @@ from qkv.models.cpu_products import (
     mkl_reads_fast,
 )
 from qkv.models.direct_step import DirectCall, RecordingBackend
+from qkv.models.onednn_products import OneDnnProducts, onednn_products_fit
 from qkv.models.protocols import DecoderOnlyModel
 from qkv.models.weight_copies import fused_qkv_weights, linear_weights
 from qkv.nn.static_kv_cache import StaticKVCache
@@ -375,6 +376,8 @@ class StaticDecoder:
         # one row on the CPU: the prompt too reads the column-major copies the step reads
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
+        # the eager prompt of a compiled CPU decoder multiplies through oneDNN off Intel
+        self._onednn = compile and device.type == "cpu" and onednn_products_fit()
 
     def prefill(self, ids: Tensor, is_pad: Tensor | None) -> Tensor:
         """Run the ``[B, T0]`` prompt (eagerly) into the cache.
@@ -385,11 +388,14 @@ class StaticDecoder:
         self.cache.start(is_pad)
         slots = torch.arange(ids.shape[1], device=ids.device)  # [T0]
         window = self.cache.window(ids.shape[1])  # [B, T0]
-        if self._prefill_weights is not None:
-            forward = _Forward(self.model)  # type: ignore[arg-type]
-            args = (ids, self.cache, slots, window, 1)
-            return torch.func.functional_call(forward, self._prefill_weights, args)  # [B, V]
-        logits = self.model.forward_static(ids, self.cache, slots, logits_to_keep=1, window=window)
+        with OneDnnProducts() if self._onednn else contextlib.nullcontext():
+            if self._prefill_weights is not None:
+                forward = _Forward(self.model)  # type: ignore[arg-type]
+                args = (ids, self.cache, slots, window, 1)
+                return torch.func.functional_call(forward, self._prefill_weights, args)  # [B, V]
+            logits = self.model.forward_static(
+                ids, self.cache, slots, logits_to_keep=1, window=window
+            )  # [B, 1, V]
         return logits[:, -1]  # [B, V]
 
     def step(self, tokens: Tensor, slot: int) -> Tensor:
