@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import qkv.models.onednn_products as onednn_products
 import qkv.models.static_decode as static_decode
 from qkv.models import DecoderOnlyConfig, DecoderOnlyLM
-from qkv.models.onednn_products import OneDnnProducts
+from qkv.models.onednn_products import MAX_ROWS, OneDnnProducts
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
@@ -42,7 +42,7 @@ def _linear_inputs(shape: tuple[int, ...], bias: bool) -> tuple[torch.Tensor, ..
     return x, w, b  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("shape", [(5,), (2, 3), (1, 16)])
+@pytest.mark.parametrize("shape", [(5,), (2, 3), (1, 16), (MAX_ROWS,)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("keywords", [True, False])
 def test_products_it_takes_match_a_float64_product(
@@ -65,6 +65,7 @@ def _refused() -> list[tuple[str, tuple[torch.Tensor, ...]]]:
         ("one row as a vector", (x[0], w, b)),
         ("no rows", (x[:0], w, b)),
         ("a broadcast bias", (x, w, b[:1])),
+        ("more than MAX_ROWS rows", (torch.randn(MAX_ROWS + 1, 24), w, b)),
     ]
 
 
@@ -102,7 +103,11 @@ def test_it_fits_where_mkl_does_not_read_fast(
     monkeypatch: pytest.MonkeyPatch, mkl: bool, want: bool
 ) -> None:
     monkeypatch.setattr(onednn_products, "mkl_reads_fast", lambda: mkl)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert onednn_products.onednn_products_fit() is want
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # (one thread: MKL as fast)
+    assert onednn_products.onednn_products_fit() is False
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert onednn_products.onednn_products_fit() is False
 

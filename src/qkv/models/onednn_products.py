@@ -5,11 +5,13 @@ runs generic code (:mod:`qkv.models.cpu_products`). The prompt of a compiled dec
 eagerly, so its products go to MKL. oneDNN, which torch also carries, multiplies plain
 row-major weights (``[N, K]`` contiguous, as ``nn.Linear`` keeps them) without packing them
 first (``torch.ops.mkldnn._linear_pointwise``). Measured on a 2-core AMD EPYC (Zen 3, AVX2),
-GPT-2 small's 48 layer products, ms, MKL against oneDNN: 2 threads 20.7 / 15.8 at 1 row, 53.5
-/ 39.8 at 16, 67.9 / 57.4 at 32, 113.5 / 95.7 at 64, 172.7 / 167.8 at 128, 625 / 639 at 512;
-1 thread 78.1 / 79.3 at 16. A 16-token prompt of GPT-2 small took 64.0 ms against 82.1 (the
-12-layer Llama-style model of ``benchmarks/decode.py``: 65.5 against 74.8), the greedy token
-the same, logits within 4e-6.
+GPT-2 small's 48 layer products, ms, MKL against oneDNN, 2 threads: 20.7 / 15.8 at 1 row, 53.5
+/ 39.8 at 16, 67.9 / 57.4 at 32, 106 / 92 at 64, 255 / 212 at 128, 369 / 350 at 256, 639 /
+693 at 512; 1 thread: 21.6 / 22.1 at 1 row, 78.1 / 79.3 at 16, 105 / 108 at 32, 304 / 339 at
+128, 1047 / 1155 at 512. oneDNN gains where MKL's generic code divides few rows among threads,
+so it takes products of at most :data:`MAX_ROWS` rows with more than one thread. A 16-token
+prompt of GPT-2 small (2 threads) took 64.0 ms against 82.1 (the 12-layer Llama-style model of
+``benchmarks/decode.py``: 65.5 against 74.8), the greedy token the same, logits within 4e-6.
 
 :class:`OneDnnProducts` is a :class:`~torch.overrides.TorchFunctionMode` (per thread, for the
 ``with`` block only) that sends each ``F.linear`` it can to oneDNN and leaves every other call
@@ -27,18 +29,21 @@ from torch.overrides import TorchFunctionMode
 
 from qkv.models.cpu_products import mkl_reads_fast
 
-__all__ = ["OneDnnProducts", "onednn_products_fit"]
+__all__ = ["MAX_ROWS", "OneDnnProducts", "onednn_products_fit"]
+
+MAX_ROWS = 256
+"""The most rows (``x.numel() // K``) of a product sent to oneDNN (more go to MKL)."""
 
 
 def onednn_products_fit() -> bool:
-    """Whether eager CPU products should go through oneDNN: torch has oneDNN and the linear
-    op, and MKL does not read fast here (:func:`~qkv.models.cpu_products.mkl_reads_fast`:
-    not an Intel CPU, or ``QKV_CPU_PRODUCTS=inductor``).
+    """Whether eager CPU products should go through oneDNN now: torch has oneDNN and the
+    linear op, MKL does not read fast here (:func:`~qkv.models.cpu_products.mkl_reads_fast`:
+    not an Intel CPU, or ``QKV_CPU_PRODUCTS=inductor``) and torch runs more than one thread.
 
     Raises:
         ValueError: ``QKV_CPU_PRODUCTS`` set to something else than ``mkl`` or ``inductor``.
     """
-    if mkl_reads_fast() or not torch.backends.mkldnn.is_available():
+    if torch.get_num_threads() < 2 or mkl_reads_fast() or not torch.backends.mkldnn.is_available():
         return False
     return hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -56,14 +61,15 @@ def _plain(t: Tensor) -> bool:
 
 
 def _fits(x: Any, w: Any, b: Any) -> bool:
-    """Whether oneDNN computes ``F.linear(x, w, b)`` as ATen would: ``x`` ``[..., K]``
-    (at least 2-D, not empty), ``w`` a contiguous ``[N, K]``, ``b`` None or ``[N]``, all
-    :func:`_plain`. Anything else (and any shape error) is left to ``F.linear``."""
+    """Whether oneDNN takes ``F.linear(x, w, b)`` (and computes it as ATen would): ``x``
+    ``[..., K]`` (at least 2-D) of 1 to :data:`MAX_ROWS` rows, ``w`` a contiguous ``[N, K]``,
+    ``b`` None or ``[N]``, all :func:`_plain`. Anything else (and any shape error) is left to
+    ``F.linear``."""
     if not (isinstance(x, Tensor) and isinstance(w, Tensor) and _plain(x) and _plain(w)):
         return False
-    if x.dim() < 2 or x.numel() == 0 or w.dim() != 2 or not w.is_contiguous():
+    if x.dim() < 2 or w.dim() != 2 or not w.is_contiguous() or x.shape[-1] != w.shape[1]:
         return False
-    if x.shape[-1] != w.shape[1]:
+    if not 0 < x.numel() <= MAX_ROWS * w.shape[1]:
         return False
     if b is None:
         return True
@@ -72,11 +78,11 @@ def _fits(x: Any, w: Any, b: Any) -> bool:
 
 class OneDnnProducts(TorchFunctionMode):
     """Inside ``with OneDnnProducts():``, each ``F.linear(x, w, b)`` of float32 CPU tensors
-    with a contiguous ``[N, K]`` weight (``nn.Linear``'s) runs as oneDNN's product on the plain
-    weight (``torch.ops.mkldnn._linear_pointwise``); every other call, and every product it
-    cannot take (other dtypes, a transposed weight, tensors that autograd follows, tensor
-    subclasses), runs unchanged. The results differ from MKL's by rounding only (another
-    summation order, fused multiply-adds)."""
+    with a contiguous ``[N, K]`` weight (``nn.Linear``'s) and at most :data:`MAX_ROWS` rows
+    runs as oneDNN's product on the plain weight (``torch.ops.mkldnn._linear_pointwise``);
+    every other call, and every product it cannot take (other dtypes, a transposed weight,
+    more rows, tensors that autograd follows, tensor subclasses), runs unchanged. The results
+    differ from MKL's by rounding only (another summation order, fused multiply-adds)."""
 
     def __torch_function__(
         self,

@@ -46,7 +46,10 @@ traced with a symbolic batch size, for which freezing packs the weights for oneD
 AVX2, inductor also times oneDNN's product against its own C++ GEMM template for each weight
 shape while compiling and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
 GPT-2 small's 49 products at 8 rows took 34.1-36.5 ms through the template against 45.6-46.9
-ms through oneDNN on a Zen 3 EPYC, 2 threads).
+ms through oneDNN on a Zen 3 EPYC, 2 threads). The prompt, which runs eagerly, multiplies
+through oneDNN there too when torch runs more than one thread
+(:mod:`qkv.models.onednn_products`: GPT-2 small's 16-token prompt took 64 ms against 82
+through MKL, same Zen 3, 2 threads).
 
 Either way this costs one more copy of the weights in memory. A copy must not outlive the
 weights it copies: each is kept with a fingerprint of the model's tensors (storage address and
@@ -376,8 +379,7 @@ class StaticDecoder:
         # one row on the CPU: the prompt too reads the column-major copies the step reads
         relaid = compile and device.type == "cpu" and batch_size == 1
         self._prefill_weights = relaid_weights(model) if relaid else None  # type: ignore[arg-type]
-        # the eager prompt of a compiled CPU decoder multiplies through oneDNN off Intel
-        self._onednn = compile and device.type == "cpu" and onednn_products_fit()
+        self._eager_prompt_on_cpu = compile and device.type == "cpu"  # (see prefill)
 
     def prefill(self, ids: Tensor, is_pad: Tensor | None) -> Tensor:
         """Run the ``[B, T0]`` prompt (eagerly) into the cache.
@@ -388,7 +390,9 @@ class StaticDecoder:
         self.cache.start(is_pad)
         slots = torch.arange(ids.shape[1], device=ids.device)  # [T0]
         window = self.cache.window(ids.shape[1])  # [B, T0]
-        with OneDnnProducts() if self._onednn else contextlib.nullcontext():
+        # a compiled CPU decoder's eager prompt multiplies through oneDNN where it reads faster
+        onednn = self._eager_prompt_on_cpu and onednn_products_fit()
+        with OneDnnProducts() if onednn else contextlib.nullcontext():
             if self._prefill_weights is not None:
                 forward = _Forward(self.model)  # type: ignore[arg-type]
                 args = (ids, self.cache, slots, window, 1)
