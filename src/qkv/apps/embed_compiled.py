@@ -28,7 +28,6 @@ import time
 
 import torch
 from torch import Tensor
-from torch._dynamo.utils import counters
 
 from qkv.apps.embed_one import OneSentenceProgram
 from qkv.apps.pooling import l2_normalize
@@ -141,6 +140,7 @@ class CompiledEmbedder:
 
     def _run(self, rows: tuple[Tensor, Tensor, Tensor], grid_index: Tensor, bias: Tensor) -> Tensor:
         """The compiled graph, counting the graphs it compiles and their time."""
+        counters = torch._dynamo.utils.counters  # (torch imports dynamo on first access)
         before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         few = rows[0].shape[0] <= FEW_TOKENS

@@ -23,13 +23,13 @@ keeps MKL's products and removes the copies ATen makes around each.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.inductor_prims import force_stride_order  # realize with these strides
 
 __all__ = [
     "ENV",
@@ -132,10 +132,20 @@ def _one_row_products(
         yield node, bias, x, w
 
 
-class _OneRowPass(CustomGraphPass):
+class _OneRowPass:
     """An inductor post-grad pass that replaces each one-row product of a graph
     (:func:`_one_row_products`) with :meth:`_product` of its row, realized first in a buffer of
-    its own with strides ``(K, 1)``."""
+    its own with strides ``(K, 1)`` (inductor's ``prims.inductor_force_stride_order``).
+
+    A virtual subclass of inductor's ``CustomGraphPass`` (registered when a pass is made), which
+    inductor's graph cache requires of a pass: inductor (and dynamo, ~2 s) is imported when a
+    pass is made, to compile, not when this module is (``import qkv`` and the command line
+    need neither)."""
+
+    def __init__(self) -> None:
+        torch._inductor.custom_graph_pass.CustomGraphPass.register(type(self))
+        importlib.import_module("torch._inductor.inductor_prims")  # registers the prim below
+        self._realize = torch.ops.prims.inductor_force_stride_order.default
 
     def _product(
         self,
@@ -155,7 +165,7 @@ class _OneRowPass(CustomGraphPass):
         for node, bias, x, w in _one_row_products(graph):
             val, product = x.meta["val"], node.meta.get("val")
             with graph.inserting_before(node):
-                row = graph.call_function(force_stride_order, (x, [val.shape[1], 1]))  # [1, K]
+                row = graph.call_function(self._realize, (x, [val.shape[1], 1]))  # [1, K]
                 row.meta["val"] = val
                 out = self._product(graph, row, w, bias, product)  # [1, N]
             out.meta["val"] = product
@@ -165,7 +175,7 @@ class _OneRowPass(CustomGraphPass):
     def uuid(self) -> bytes:
         """A hash of this file and the pass's name: inductor's cache keys a compiled graph by
         it (two passes of one file must not share a key)."""
-        return get_hash_for_files((__file__,)) + type(self).__name__.encode()
+        return hashlib.sha256(Path(__file__).read_bytes()).digest() + type(self).__name__.encode()
 
 
 class ProductsAsReductions(_OneRowPass):

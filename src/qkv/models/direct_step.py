@@ -35,7 +35,6 @@ from typing import cast
 
 import torch
 from torch import Tensor
-from torch._dynamo import lookup_backend
 
 __all__ = ["CompileGraph", "DirectCall", "Record", "RecordingBackend"]
 
@@ -120,8 +119,9 @@ class RecordingBackend:
         fn: Callable[..., object]
         if self._compile is not None:
             fn = self._compile(gm, example_inputs)
-        else:  # dynamo's "inductor" (which imports inductor's compiler only when first used)
-            inductor = cast(Callable[..., Callable[..., object]], lookup_backend("inductor"))
+        else:  # dynamo's "inductor" (torch imports dynamo and inductor on first access)
+            backend = torch._dynamo.lookup_backend("inductor")
+            inductor = cast(Callable[..., Callable[..., object]], backend)
             fn = inductor(gm, example_inputs, config_patches=self.options)
         sizes = _size_sources(gm)
 

@@ -75,7 +75,6 @@ from itertools import chain
 from typing import cast
 
 import torch
-import torch._inductor.config as inductor_config
 from torch import Tensor, nn
 
 from qkv.models.cpu_products import (
@@ -149,7 +148,7 @@ def _frozen(step: Step) -> Step:
         pos: Tensor,
         window: Tensor | None,
     ) -> Tensor:
-        with inductor_config.patch(configs):
+        with torch._inductor.config.patch(configs):
             return step(model, ids, cache, pos, window)
 
     return call
