@@ -264,7 +264,8 @@ def test_huge_config_is_refused_from_the_headers_before_building_anything(
     real = hf_bert.BertEncoder
 
     def spy(config: object, **kwargs: object) -> object:
-        built.append((config.num_hidden_layers, kwargs.get("device")))  # type: ignore[attr-defined]
+        device = kwargs.get("device", torch.get_default_device().type)  # (built under on_meta)
+        built.append((config.num_hidden_layers, device))  # type: ignore[attr-defined]
         return real(config, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(hf_bert, "BertEncoder", spy)

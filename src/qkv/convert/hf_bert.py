@@ -36,6 +36,7 @@ from qkv.convert.hf_files import (
 )
 from qkv.convert.hf_values import hf_float, hf_int
 from qkv.models.bert import BertConfig, BertEncoder
+from qkv.nn.meta import on_meta
 
 __all__ = [
     "IGNORED_PREFIXES",
@@ -241,7 +242,8 @@ def _expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
     widths): building all ``num_hidden_layers`` layers, even on meta, takes seconds per
     thousand, so that a config.json claiming 20,000 layers took 30 s to refuse.
     """
-    one = BertEncoder(dataclasses.replace(config, num_hidden_layers=1), device="meta")
+    with on_meta():
+        one = BertEncoder(dataclasses.replace(config, num_hidden_layers=1))
     out: dict[str, tuple[int, ...]] = {}
     for k, v in one.state_dict().items():
         out[re.sub(r"^encoder\.layers\.0\.", "encoder.layers.{}.", k)] = tuple(v.shape)

@@ -34,6 +34,7 @@ from qkv.convert.hf_files import (
 from qkv.functional import BACKENDS, Backend
 from qkv.models.decoder_only import DecoderOnlyLM
 from qkv.models.registry import load_weights
+from qkv.nn.meta import on_meta
 from qkv.nn.multihead import MultiHeadAttention
 
 __all__ = ["DECODERS", "load_hf"]
@@ -54,7 +55,7 @@ def _load_decoder(root: Path, kind: str) -> DecoderOnlyLM:
     ignored = dict(spec.IGNORED)
     if config.tie_embeddings:
         ignored["lm_head.weight"] = "the head is tied to the token embedding"
-    with torch.device("meta"):
+    with on_meta():
         shapes = {k: tuple(v.shape) for k, v in DecoderOnlyLM(config).state_dict().items()}
     check_against(
         f"{kind} checkpoint {str(root)!r} (keys named without the {spec.PREFIX!r} prefix)",

@@ -50,6 +50,7 @@ from qkv.models.config import TransformerConfig
 from qkv.models.registry import load_weights
 from qkv.models.transformer import Transformer
 from qkv.nn.feed_forward import Activation
+from qkv.nn.meta import on_meta
 
 __all__ = [
     "MARIAN_TABLE",
@@ -292,7 +293,7 @@ def load_seq2seq(root: Path, kind: str) -> Transformer:
         check_layers(source, key, count, headers, templates)  # before anything is built
     layer_rules = rules(c)
     special = _check_special(kind, c, headers, str(root))
-    with torch.device("meta"):
+    with on_meta():
         shapes = {k: tuple(v.shape) for k, v in Transformer(c).state_dict().items()}
     ignored = {**_TIED, "embed_positions.weight": "Marian's fixed sinusoids, recomputed"}
     if c.tie_embeddings:

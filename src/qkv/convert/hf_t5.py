@@ -39,6 +39,7 @@ from qkv.models.config import TransformerConfig
 from qkv.models.registry import load_weights
 from qkv.models.transformer import Transformer
 from qkv.nn.feed_forward import Activation
+from qkv.nn.meta import on_meta
 
 __all__ = ["MODEL_TYPES", "config_from_hf", "load_t5", "rules"]
 
@@ -212,7 +213,7 @@ def load_t5(root: Path) -> Transformer:
     layer_rules = rules(c)
     if untied:
         layer_rules.append(Rule("lm_head.weight", ("lm_head.weight",)))
-    with torch.device("meta"):
+    with on_meta():
         shapes = {k: tuple(v.shape) for k, v in Transformer(c).state_dict().items()}
     ignored = dict(_TIED)
     if not untied:

@@ -65,7 +65,8 @@ def sinusoidal_table(max_positions: int, d_model: int, *, base: float = 10000.0)
         base: the wavelength base (10000 in the paper).
 
     Returns:
-        float32 ``[max_positions, D]``.
+        float32 ``[max_positions, D]``, computed in float64 on the CPU (the same values on every
+        device; no Python reference ops on the meta device, see :mod:`qkv.nn.meta`).
 
     Raises:
         ValueError: non-positive sizes.
@@ -74,10 +75,12 @@ def sinusoidal_table(max_positions: int, d_model: int, *, base: float = 10000.0)
         raise ValueError(
             f"max_positions and d_model must be positive, got {max_positions}, {d_model}"
         )
-    pos = torch.arange(max_positions, dtype=torch.float64)[:, None]  # [L, 1]
-    inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # [ceil(D/2)]
+    cpu = torch.device("cpu")
+    pos = torch.arange(max_positions, dtype=torch.float64, device=cpu)[:, None]  # [L, 1]
+    steps = torch.arange(0, d_model, 2, dtype=torch.float64, device=cpu)  # [ceil(D/2)]
+    inv_freq = base ** (-steps / d_model)  # [ceil(D/2)]
     angles = pos * inv_freq[None, :]  # [L, ceil(D/2)]
-    table = torch.zeros(max_positions, d_model, dtype=torch.float64)  # [L, D]
+    table = torch.zeros(max_positions, d_model, dtype=torch.float64, device=cpu)  # [L, D]
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles)[:, : d_model // 2]
     return table.to(torch.float32)
@@ -96,7 +99,8 @@ class SinusoidalPositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_positions: int) -> None:
         super().__init__()
         self.max_positions = max_positions
-        self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
+        table = sinusoidal_table(max_positions, d_model).to(torch.get_default_device())  # [L, D]
+        self.register_buffer("table", table, persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         """Args: x ``[B, T, D]``; offset: position of ``x[:, 0]``; positions: long ``[B, T]``,
@@ -191,7 +195,8 @@ def rotary_cos_sin(
         raise ValueError(f"rotary embeddings need an even head width, got head_dim={head_dim}")
     if layout not in ROPE_LAYOUTS:
         raise ValueError(f"rope layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [Dh/2]
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)  # [Dh/2]
+    inv_freq = base ** (-steps / head_dim)  # [Dh/2]
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, Dh/2]
     if layout == "half_split":
         angles = torch.cat([angles, angles], dim=-1)  # [T, Dh]
@@ -267,9 +272,12 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.head_dim = head_dim
         self.layout = layout
-        cos, sin = rotary_cos_sin(torch.arange(max_positions), head_dim, base=base, layout=layout)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        # computed on the CPU, then moved (no Python reference ops on the meta device)
+        positions = torch.arange(max_positions, device="cpu")  # [L]
+        cos, sin = rotary_cos_sin(positions, head_dim, base=base, layout=layout)  # [L, Dh]
+        device = torch.get_default_device()
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(
         self, T: int, offset: int = 0, positions: Tensor | None = None

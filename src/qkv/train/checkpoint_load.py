@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from torch import Tensor, nn
 
 from qkv.models.registry import check_weights, model_from_config, upgrade_weights
+from qkv.nn.meta import on_meta
 from qkv.train.checkpoint_dir import CheckpointError
 from qkv.train.checkpoint_manifest import MANIFEST, parse_manifest, sha256
 
@@ -157,7 +157,7 @@ def build_model(ckpt: Checkpoint) -> nn.Module:
                 f"the {bound} {what} in the weights file"
             )
     try:
-        with torch.device("meta"):
+        with on_meta():
             skeleton = model_from_config(ckpt.model_type, ckpt.model_config)
         check_weights(skeleton, upgrade_weights(skeleton, ckpt.weights), where)
         model = model_from_config(ckpt.model_type, ckpt.model_config)
