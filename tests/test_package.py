@@ -33,10 +33,12 @@ def test_subpackages_load_on_first_use_only() -> None:
 def test_the_command_line_imports_no_compiler() -> None:
     """Importing dynamo and inductor took ~2 s of the 5.3 s the command line took to start
     (a 2-core EPYC): qkv reaches them as ``torch._dynamo`` / ``torch._inductor`` attributes,
-    which torch imports on first access, when something compiles."""
+    which torch imports on first access, when something compiles. Matplotlib (0.7 s) is
+    imported by the first figure ``qkv plot`` draws."""
     out = _fresh(
         "import sys, qkv, qkv.apps.cli, qkv.models, qkv.convert, qkv.doctor\n"
-        "print([m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules])\n"
+        "heavy = ('torch._dynamo', 'torch._inductor', 'matplotlib')\n"
+        "print([m for m in heavy if m in sys.modules])\n"
     )
     assert out == "[]"
 
