@@ -214,3 +214,23 @@ def test_frozen_configs(
         }
     else:
         assert configs == {"freezing": True}
+
+
+def test_a_frozen_timed_product_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings of :func:`~qkv.models.cpu_products.frozen_configs` compile for real, timing
+    included (made to apply on any CPU): one frozen ``Linear`` of 8 rows, a product oneDNN takes
+    on its packed weight or inductor's C++ GEMM template, whichever timed faster here, equals
+    the eager one. (The decoders' tests freeze without the timing, ~5 s a product shape.)"""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    configs = cpu_products.frozen_configs(mkl=False)
+    assert configs["max_autotune_gemm"] is True
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48).eval()
+    x = torch.randn(8, 64)  # [8, 64]
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(configs):
+        got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)  # [8, 48]
+        want = layer(x)  # [8, 48]
+    code = "\n".join(codes)
+    assert "_linear_pointwise" in code or "micro_gemm" in code
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
