@@ -393,7 +393,7 @@ def test_inductor_step_follows_weight_changes(
     every weight, compile=True decodes with the new weights, as the eager path does.
 
     Frozen without timing each product shape against inductor's C++ GEMM template (what
-    ``frozen_configs`` adds on an AVX2 CPU: 45 s instead of ~10 for (3, 4, False) on a 2-core
+    ``frozen_configs`` adds on an AVX2 CPU: 45 s instead of 25 for (3, 4, False) on a 2-core
     Zen 1 EPYC); ``test_a_frozen_timed_product_equals_eager`` compiles that timing."""
     monkeypatch.setattr(static_decode, "_COMPILED", {})
     monkeypatch.setattr(static_decode, "mkl_reads_fast", lambda: mkl)
