@@ -129,6 +129,29 @@ def test_inductor_with_the_pass_reads_each_weight_in_its_own_loop() -> None:
     assert "cpp_fused" in code
 
 
+def test_row_groups() -> None:
+    assert cpu_products.ROW_STREAMS == 4
+    assert cpu_products._row_groups(1024) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert cpu_products._row_groups(259 * 4 + 3)[-2:] == [(777, 1036), (1036, 1039)]
+    assert cpu_products._row_groups(255) == [(0, None)]  # under 64 rows a group: one sum
+    assert cpu_products._row_groups(object()) == [(0, None)]  # a symbolic size
+
+
+def test_inductor_reads_the_row_groups_side_by_side() -> None:
+    """A weight of 4 * 64 + 3 rows: four groups of 64 summed in one fused loop (four
+    accumulators, four streams of the weight), the 3 rows left apart; the values those of
+    the float64 product."""
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 48), torch.randn(4 * 64 + 3, 48)  # [1, K], [N, K]
+    gm = _rewritten(ProductsAsReductions(), lambda x, w: x @ w.t(), x, w)
+    assert [n.target for n in gm.graph.nodes].count(aten.sum.dim_IntList) == 5
+    options = {"post_grad_custom_post_pass": ProductsAsReductions()}
+    compiled = torch.compile(lambda x, w: x @ w.t(), fullgraph=True, dynamic=False, options=options)
+    got, (code,) = run_and_get_code(compiled, x, w)  # [1, N]
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t(), atol=1e-5, rtol=1e-5)
+    assert "tmp_acc3_vec = tmp_acc3_vec" in code and "tmp_acc4" not in code
+
+
 def test_lean_pass_keeps_one_row_products_for_blas() -> None:
     torch.manual_seed(0)
     args = (torch.randn(1, 6), torch.randn(5, 6), torch.randn(5), torch.randn(3, 6))

@@ -178,10 +178,37 @@ class _OneRowPass:
         return hashlib.sha256(Path(__file__).read_bytes()).digest() + type(self).__name__.encode()
 
 
+ROW_STREAMS = 4
+"""How many groups of a weight's rows :class:`ProductsAsReductions` reads at once."""
+
+
+def _row_groups(n: object) -> list[tuple[int, int | None]]:
+    """The ``(start, stop)`` row slices of a one-row product's ``n`` weight rows that
+    :class:`ProductsAsReductions` sums apart: :data:`ROW_STREAMS` equal groups, then the
+    ``n % ROW_STREAMS`` rows left, if any; ``[(0, None)]`` (all rows at once) where ``n`` is
+    symbolic or under 64 rows a group.
+
+    Inductor fuses reductions over the same ranges into one loop, so equal groups are read
+    side by side: ``ROW_STREAMS`` streams of memory and as many accumulators, where one
+    reduction reads one row at a time into one accumulator. Measured on a 2-core Zen 1 EPYC,
+    GPT-2 small's 48 layer products (340 MB) chained through 12 layers in one graph: 18.1 GB/s
+    against 12.3-12.9 on one thread, 23.5-23.8 against 20.5 on two (2 groups: 16.7 and 22.9;
+    8: 15.6 and 21.1). Each output is the same sum as before, over its row in the same order.
+    """
+    if not isinstance(n, int) or n < 64 * ROW_STREAMS:
+        return [(0, None)]
+    size = n // ROW_STREAMS
+    groups: list[tuple[int, int | None]] = [(g * size, (g + 1) * size) for g in range(ROW_STREAMS)]
+    if n % ROW_STREAMS:
+        groups.append((ROW_STREAMS * size, n))
+    return groups
+
+
 class ProductsAsReductions(_OneRowPass):
     """Inductor post-grad pass: ``mm(x, w)`` and ``addmm(b, x, w)`` (beta = alpha = 1) whose
     ``x`` is one float32 or float64 row, ``[1, K] @ [K, N]``, become ``sum(w.t() * x, dim=1)``
-    (``[N, 1]``, plus ``b``) viewed as ``[1, N]``. Other products are left alone. The row is
+    (``[N, 1]``, plus ``b``) viewed as ``[1, N]``, summed in groups of rows read side by side
+    (:func:`_row_groups`). Other products are left alone. The row is
     computed once into a buffer of its own, not inlined into the reduction, where inductor
     would recompute it (a LayerNorm, a SiLU) for each of the ``N`` rows.
 
@@ -196,10 +223,17 @@ class ProductsAsReductions(_OneRowPass):
         bias: torch.fx.Node | None,
         val: object,
     ) -> torch.fx.Node:
-        """``sum(w.t() * row, dim=1)`` viewed as ``[1, N]`` (plus ``bias``)."""
+        """``sum(w.t() * row, dim=1)`` viewed as ``[1, N]`` (plus ``bias``), as the sums of
+        :func:`_row_groups` concatenated."""
         wt = graph.call_function(aten.permute.default, (w, [1, 0]))  # [N, K]
-        prod = graph.call_function(aten.mul.Tensor, (wt, row))  # [N, K]
-        out = graph.call_function(aten.sum.dim_IntList, (prod, [1], True))  # [N, 1]
+        sums = []
+        for start, stop in _row_groups(w.meta["val"].shape[1]):
+            rows = wt
+            if (start, stop) != (0, None):
+                rows = graph.call_function(aten.slice.Tensor, (wt, 0, start, stop))  # [n, K]
+            prod = graph.call_function(aten.mul.Tensor, (rows, row))  # [n, K]
+            sums.append(graph.call_function(aten.sum.dim_IntList, (prod, [1], True)))  # [n, 1]
+        out = sums[0] if len(sums) == 1 else graph.call_function(aten.cat.default, (sums, 0))
         out = graph.call_function(aten.permute.default, (out, [1, 0]))  # [1, N]
         if bias is not None:
             out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
