@@ -135,6 +135,7 @@ def test_row_groups() -> None:
     assert cpu_products._row_groups(259 * 4 + 3)[-2:] == [(777, 1036), (1036, 1039)]
     assert cpu_products._row_groups(255) == [(0, None)]  # under 64 rows a group: one sum
     assert cpu_products._row_groups(object()) == [(0, None)]  # a symbolic size
+    assert cpu_products._row_groups(None) == [(0, None)]  # unknown
 
 
 def test_inductor_reads_the_row_groups_side_by_side() -> None:

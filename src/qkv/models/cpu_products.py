@@ -186,7 +186,7 @@ def _row_groups(n: object) -> list[tuple[int, int | None]]:
     """The ``(start, stop)`` row slices of a one-row product's ``n`` weight rows that
     :class:`ProductsAsReductions` sums apart: :data:`ROW_STREAMS` equal groups, then the
     ``n % ROW_STREAMS`` rows left, if any; ``[(0, None)]`` (all rows at once) where ``n`` is
-    symbolic or under 64 rows a group.
+    symbolic or unknown (``None``) or under 64 rows a group.
 
     Inductor fuses reductions over the same ranges into one loop, so equal groups are read
     side by side: ``ROW_STREAMS`` streams of memory and as many accumulators, where one
@@ -226,14 +226,18 @@ class ProductsAsReductions(_OneRowPass):
         """``sum(w.t() * row, dim=1)`` viewed as ``[1, N]`` (plus ``bias``), as the sums of
         :func:`_row_groups` concatenated."""
         wt = graph.call_function(aten.permute.default, (w, [1, 0]))  # [N, K]
+        weight = w.meta.get("val")  # [K, N], where the graph carries it
+        n = weight.shape[1] if isinstance(weight, torch.Tensor) else None
         sums = []
-        for start, stop in _row_groups(w.meta["val"].shape[1]):
+        for start, stop in _row_groups(n):
             rows = wt
             if (start, stop) != (0, None):
                 rows = graph.call_function(aten.slice.Tensor, (wt, 0, start, stop))  # [n, K]
             prod = graph.call_function(aten.mul.Tensor, (rows, row))  # [n, K]
             sums.append(graph.call_function(aten.sum.dim_IntList, (prod, [1], True)))  # [n, 1]
-        out = sums[0] if len(sums) == 1 else graph.call_function(aten.cat.default, (sums, 0))
+        out = sums[0]  # [N, 1]
+        if len(sums) > 1:
+            out = graph.call_function(aten.cat.default, (sums, 0))  # [N, 1]
         out = graph.call_function(aten.permute.default, (out, [1, 0]))  # [1, N]
         if bias is not None:
             out = graph.call_function(aten.add.Tensor, (out, bias))  # [1, N]
