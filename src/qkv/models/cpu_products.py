@@ -208,9 +208,9 @@ class ProductsAsReductions(_OneRowPass):
     """Inductor post-grad pass: ``mm(x, w)`` and ``addmm(b, x, w)`` (beta = alpha = 1) whose
     ``x`` is one float32 or float64 row, ``[1, K] @ [K, N]``, become ``sum(w.t() * x, dim=1)``
     (``[N, 1]``, plus ``b``) viewed as ``[1, N]``, summed in groups of rows read side by side
-    (:func:`_row_groups`). Other products are left alone. The row is
-    computed once into a buffer of its own, not inlined into the reduction, where inductor
-    would recompute it (a LayerNorm, a SiLU) for each of the ``N`` rows.
+    (:func:`_row_groups`). Other products are left alone. The row is computed once into a
+    buffer of its own, not inlined into the reduction, where inductor would recompute it (a
+    LayerNorm, a SiLU) for each of the ``N`` rows.
 
     Pass it as ``torch.compile(..., options={"post_grad_custom_post_pass":
     ProductsAsReductions()})``."""
