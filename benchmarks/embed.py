@@ -18,6 +18,7 @@ path's within 1e-5. ``--no-compile`` leaves it out.
 
     python benchmarks/embed.py --batch 1 32 128 --repeats 15 --threads 2
     python benchmarks/embed.py --quick   # qkv auto (padded, unpadded, compiled), BertModel sdpa
+    python benchmarks/embed.py --quick --batch 1 --words 3 10 20   # one sentence, 5 to 22 tokens
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ TEXT = (
 )
 
 
-def sentences(n: int) -> list[str]:
-    """``n`` sentences of 3 to ~30 words, deterministic."""
-    words = TEXT.split(" ")
-    return [" ".join(words[(i * 7) % 11 : (i * 7) % 11 + 3 + (i * 5) % 24]) for i in range(n)]
+def sentences(n: int, words: int | None = None) -> list[str]:
+    """``n`` sentences of 3 to ~30 words (``words`` each where given: the first words of
+    :data:`TEXT`, cycled), deterministic."""
+    vocab = TEXT.split(" ")
+    if words is not None:
+        return [" ".join(vocab[(i + j) % len(vocab)] for j in range(words)) for i in range(n)]
+    return [" ".join(vocab[(i * 7) % 11 : (i * 7) % 11 + 3 + (i * 5) % 24]) for i in range(n)]
 
 
 SETTLE_S = 0.1
@@ -68,6 +72,13 @@ def main() -> None:
         "--block", type=int, default=3, help=f"timed calls per block (after {SETTLE_S} s untimed)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--words",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="words in every sentence, one run each (default: 3 to ~30, varied)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -89,30 +100,40 @@ def main() -> None:
         for impl in impls
     }
     session = None if args.no_onnx else onnx_session(embedder, refs["sdpa"], args.threads)
-    compiled = None if args.no_compile else compiled_embedder(models["auto"], embedder, args.batch)
-    for batch in args.batch:
-        bench(
-            embedder, models, refs, batch, repeats, args.threads, args.quick, session, compiled,
-            args.block,
-        )  # fmt: skip
+    compiled = (
+        None
+        if args.no_compile
+        else compiled_embedder(models["auto"], embedder, args.batch, args.words)
+    )
+    for words in args.words:
+        for batch in args.batch:
+            bench(
+                embedder, models, refs, batch, repeats, args.threads, args.quick, session,
+                compiled, args.block, words,
+            )  # fmt: skip
 
 
 def compiled_embedder(
-    model: BertEncoder, embedder: SentenceEmbedder, batches: list[int]
+    model: BertEncoder,
+    embedder: SentenceEmbedder,
+    batches: list[int],
+    lengths: list[int | None] | None = None,
 ) -> CompiledEmbedder:
-    """``model`` compiled for every batch size of the run, its compile time printed.
+    """``model`` compiled for every batch size and sentence length of the run, its compile
+    time printed.
 
     Raises:
         AssertionError: its embeddings are not the eager unpadded path's within 1e-5.
     """
     compiled = CompiledEmbedder(model)
-    for batch in batches:
-        ids, mask, types = embedder.tokenize(sentences(batch))
-        with torch.no_grad():
-            got = compiled(ids, mask, types)  # [B, D]
-            want = l2_normalize(mean_pool(model(ids, mask, types, unpad=True), mask))  # [B, D]
-        diff = float((got - want).abs().max())
-        assert diff <= 1e-5, f"compiled embeddings differ from eager by {diff:.2g} at {batch=}"
+    for words in lengths or [None]:
+        for batch in batches:
+            ids, mask, types = embedder.tokenize(sentences(batch, words))
+            with torch.no_grad():
+                got = compiled(ids, mask, types)  # [B, D]
+                want = l2_normalize(mean_pool(model(ids, mask, types, unpad=True), mask))
+            diff = float((got - want).abs().max())
+            assert diff <= 1e-5, f"compiled embeddings differ by {diff:.2g} at {batch=} {words=}"
     print(
         f"qkv (compiled): {compiled.graphs} graph(s) compiled in {compiled.compile_seconds:.1f} s "
         f"(batches {batches}), embeddings within 1e-5 of the eager path"
@@ -171,6 +192,7 @@ def bench(
     session: Callable[[dict[str, object]], object] | None = None,
     compiled: CompiledEmbedder | None = None,
     block: int = 3,
+    words: int | None = None,
 ) -> None:
     """Time every contestant on one batch of ``batch`` sentences and print the table.
 
@@ -181,7 +203,7 @@ def bench(
     torch's first five calls after ONNX Runtime took 3.4x, 3.0x, 2.2x, 1.7x, 1.2x their time,
     ONNX Runtime's first after torch 5x).
     """
-    ids, attention_mask, type_ids = embedder.tokenize(sentences(batch))
+    ids, attention_mask, type_ids = embedder.tokenize(sentences(batch, words))
     print(
         f"all-MiniLM-L6-v2, batch {batch}, padded length {ids.shape[1]}, "
         f"{int(attention_mask.sum())} real tokens, {threads} thread(s), "

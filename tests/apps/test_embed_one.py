@@ -139,7 +139,12 @@ def test_the_program_gets_int64_contiguous_rows(monkeypatch: pytest.MonkeyPatch)
     sent: list[list[torch.Tensor]] = []
 
     def stand_in(
-        ids: torch.Tensor, types: torch.Tensor, weights: list[torch.Tensor], *, frozen: bool
+        ids: torch.Tensor,
+        types: torch.Tensor,
+        weights: list[torch.Tensor],
+        *,
+        frozen: bool,
+        span: embed_one.Span | None = None,
     ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         run = eager_program(program, ids, types, weights, frozen=frozen)
         return lambda flat: (sent.append(flat[:2]), run(flat))[1]
@@ -159,27 +164,44 @@ def test_the_program_gets_int64_contiguous_rows(monkeypatch: pytest.MonkeyPatch)
         assert (got_types is t) == (t.dtype == torch.int64)
 
 
-@pytest.mark.parametrize("policy", ["mkl", "inductor", "inductor, too large"])
+@pytest.mark.parametrize(
+    "policy",
+    ["mkl", "inductor", "inductor, timed", "inductor, too large", "inductor, timed, too large"],
+)
 def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Frozen first off MKL's fast path, then the program that reads the weights once they
     change; with MKL's fast path, or weights too large to freeze, that one from the start.
-    Programs stood in for by :func:`encode_one` run eagerly (a frozen one on copies of its
-    weights, as a compiled one holds): the choice, not the compiler, is under test here."""
+    Where the products are timed while compiling, short and long sentences get a frozen
+    program each, compiled at its span's own length on the span's first sentence, and a long
+    one that comes after the weights changed gets none. Programs stood in for by
+    :func:`encode_one` run eagerly (a frozen one on copies of its weights, as a compiled one
+    holds): the choice, not the compiler, is under test here."""
     if policy == "mkl" and not torch.backends.mkl.is_available():
         pytest.skip("this torch has no MKL")
     monkeypatch.setenv("QKV_CPU_PRODUCTS", policy.split(",")[0])
+    timed = {"max_autotune_gemm": True} if "timed" in policy else {}
+    monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl: {"freezing": True} | timed)
     model = make(seed=5)
     program = OneSentenceProgram(model)
     size = sum(t.numel() * t.element_size() for t in program._fingerprinted()[0])
     monkeypatch.setattr(embed_one, "FROZEN_MAX_BYTES", size - 1 if "large" in policy else size)
-    reads_at_once = policy != "inductor"
-    compiled: list[bool] = []
+    reads_at_once = "mkl" in policy or "large" in policy
+    compiled: list[tuple[bool, embed_one.Span | None]] = []
 
     def stand_in(
-        ids: torch.Tensor, types: torch.Tensor, weights: list[torch.Tensor], *, frozen: bool
+        ids: torch.Tensor,
+        types: torch.Tensor,
+        weights: list[torch.Tensor],
+        *,
+        frozen: bool,
+        span: embed_one.Span | None = None,
     ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        compiled.append(frozen)
-        return eager_program(program, ids, types, weights, frozen=frozen)
+        compiled.append((frozen, span))
+        if span is not None:  # the example sentence is the span's own length
+            low, high, hint = span
+            ids, types = embed_one._example(ids, hint), embed_one._example(types, hint)
+            assert hint is None or (low <= hint <= high and ids.shape == types.shape == (1, hint))
+        return eager_program(program, ids, types, weights, frozen=frozen, span=span)
 
     monkeypatch.setattr(program, "_compile", stand_in)
 
@@ -189,16 +211,62 @@ def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> Non
             got = program(ids[None], types[None])
         torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
 
-    check(4)
-    check(9)
-    assert compiled == ([False] if reads_at_once else [True])
+    limit = CONFIG.max_position_embeddings
+    short, long = (2, embed_one.LONG_TOKENS - 1, 5), (embed_one.LONG_TOKENS, limit, 16)
+    frozen_ones = [(True, short), (True, long)] if timed else [(True, (2, limit, None))]
+    for n in (4, 9, 2, embed_one.LONG_TOKENS - 1, embed_one.LONG_TOKENS, limit):
+        check(n)
+    assert compiled == ([(False, None)] if reads_at_once else frozen_ones)
     assert program.reads_weights == reads_at_once
     with torch.no_grad():
         model._layers()[1].ffn.fc2.bias.add_(0.5)
     check(6)
     model.embeddings.norm.weight.data = torch.rand(CONFIG.hidden_size)  # storage swapped
+    check(12)
     check(5)
-    assert compiled == ([False] if reads_at_once else [True, False]) and program.reads_weights
+    assert compiled == ([(False, None)] if reads_at_once else [*frozen_ones, (False, None)])
+    assert program.reads_weights
+
+
+def test_a_long_sentence_after_new_weights_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two spans, the long span's program is not frozen from weights that changed after
+    the short one was: the call goes to the program that reads the weights."""
+    monkeypatch.setenv("QKV_CPU_PRODUCTS", "inductor")
+    configs = {"freezing": True, "max_autotune_gemm": True}
+    monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl: configs)
+    model = make(seed=6)
+    program = OneSentenceProgram(model)
+    compiled: list[bool] = []
+
+    def stand_in(
+        ids: torch.Tensor,
+        types: torch.Tensor,
+        weights: list[torch.Tensor],
+        *,
+        frozen: bool,
+        span: embed_one.Span | None = None,
+    ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        compiled.append(frozen)
+        return eager_program(program, ids, types, weights, frozen=frozen, span=span)
+
+    monkeypatch.setattr(program, "_compile", stand_in)
+    for n, change in ((3, False), (20, True), (4, False)):
+        if change:
+            with torch.no_grad():
+                model._layers()[0].self_attn.v_proj.weight.mul_(1.5)
+        ids, types = sentence(n, seed=n)
+        with torch.no_grad():
+            got = program(ids[None], types[None])
+        torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
+    assert compiled == [True, False] and program.reads_weights and program._frozen == {}
+
+
+def test_example_sentences() -> None:
+    """An export's example is the sentence cycled or cut to the span's length."""
+    ids = torch.tensor([[5, 6, 7]])
+    assert embed_one._example(ids, None) is ids and embed_one._example(ids, 3) is ids
+    assert embed_one._example(ids, 7).tolist() == [[5, 6, 7, 5, 6, 7, 5]]
+    assert embed_one._example(ids, 2).tolist() == [[5, 6]]
 
 
 def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,11 +20,13 @@ A few rows then read each weight about once at memory speed: on a 2-core AMD EPY
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
 1.76-1.98 ms frozen, 4.0-5.5 ms with weights as inputs, ONNX Runtime 2.09-2.22 ms, side by
-side; on one with AVX2 only (Zen 3) oneDNN took 4.3-4.9 ms and the template 2.3-2.5 ms. A
-frozen program cannot follow new weights (runtime constant folding does not keep the unpacked
-ones), so the first call whose weights differ from the frozen ones compiles the second program
-once, for good: its weights are inputs, remade when they change, so a model being trained does
-not compile again at each step.
+side; on one with AVX2 only (Zen 3) oneDNN took 4.3-4.9 ms and the template 2.3-2.5 ms.
+Those timings depend on the row count, so there short sentences (under :data:`LONG_TOKENS`
+tokens) and long ones run two frozen programs, each timed at a length of its own. A frozen
+program cannot follow new weights (runtime constant folding does not keep the unpacked ones),
+so the first call whose weights differ from the frozen ones compiles the program that reads
+them once, for good: its weights are inputs, remade when they change, so a model being trained
+does not compile again at each step.
 Each call compares a fingerprint of every source tensor's identity, storage address and version
 counter (in-place writes, ``load_state_dict``, ``.data =`` and replaced parameters are all
 seen): ~25 us with warm caches, 160-185 us right after the program has streamed its weights.
@@ -72,6 +74,20 @@ Fingerprint = tuple[list[int], list[int], list[int]]
 PER_LAYER = 12
 """Tensors per layer in the weight list (see :meth:`OneSentenceProgram.weights`)."""
 
+LONG_TOKENS = 8
+"""Where the frozen program's products are timed while compiling (an AVX2 CPU:
+:func:`~qkv.models.cpu_products.frozen_configs`), sentences of fewer tokens than this and the
+others run two frozen programs, each timed at a typical length of its own
+(:data:`SIZE_HINTS`), each compiled on the first sentence of its span. The product chosen for
+5 rows is not the one for 16: on a 2-core Zen 1 EPYC, all-MiniLM-L6-v2's 24 products took,
+through inductor's C++ GEMM template timed at 5 rows against oneDNN's, 3.74 / 3.94 / 5.45 /
+7.82 / 10.03 / 14.47 ms at 5 / 6 / 8 / 12 / 16 / 24 rows, and 4.23 / 4.48 / 5.11 / 6.40 /
+8.03 / 9.79 ms through oneDNN alone."""
+
+SIZE_HINTS = (5, 16)
+"""The token counts at which the short and the long program are compiled and their products
+timed (the example sentence of each export)."""
+
 FROZEN_MAX_BYTES = 1 << 30
 """Weights (every source tensor, the embedding tables included) of more bytes than this are
 never frozen into a program: its shared library holds them as data, and past ~2 GB that needs
@@ -84,6 +100,28 @@ def _program_input(t: Tensor, device: torch.device) -> Tensor:
     if t.dtype is torch.int64 and t.device == device and t.is_contiguous():
         return t
     return t.to(device, torch.int64).contiguous()
+
+
+Span = tuple[int, int, int | None]
+"""A frozen program's token counts: the least, the most, and the count it is compiled at
+(``None``: the first sentence's)."""
+
+
+def _spans(limit: int) -> list[Span]:
+    """The frozen programs' spans of token counts, ``2..limit`` in all: two where their
+    products are timed while compiling (see :data:`LONG_TOKENS`), else one."""
+    timed = "max_autotune_gemm" in frozen_configs(mkl=False)
+    if not timed or limit < max(LONG_TOKENS, SIZE_HINTS[1]):
+        return [(2, limit, None)]
+    return [(2, LONG_TOKENS - 1, SIZE_HINTS[0]), (LONG_TOKENS, limit, SIZE_HINTS[1])]
+
+
+def _example(t: Tensor, n: int | None) -> Tensor:
+    """``t`` (``[1, N]``) cycled or cut to ``n`` tokens (itself for ``None``): an example
+    sentence of that length for ``torch.export``, its values only traced."""
+    if n is None or n == t.shape[1]:
+        return t
+    return t[:, torch.arange(n, device=t.device) % t.shape[1]].contiguous()  # [1, n]
 
 
 def _freezes(sources: list[Tensor]) -> bool:
@@ -183,8 +221,11 @@ class _Frozen(nn.Module):
 
 class OneSentenceProgram:
     """``model``'s embedding of one sentence through an AOTInductor program (see the module
-    docstring): compiled on the first call with that call's weights frozen into it, and once
-    more, with the weights as inputs, on the first call whose weights changed. Where MKL reads
+    docstring): compiled on the first call with that call's weights frozen into it (where the
+    products are timed while compiling, one program for sentences of fewer than
+    :data:`LONG_TOKENS` tokens and one for the others, each compiled on the first sentence of
+    its span with the same weights), and once more, with the weights as inputs, on the first
+    call whose weights changed. Where MKL reads
     column-major weights at memory speed (:func:`~qkv.models.cpu_products.mkl_reads_fast`: an
     Intel CPU, or ``QKV_CPU_PRODUCTS=mkl``), the program reads the weights from the first call
     (on an Intel Xeon freezing gained nothing over it), and so it does for weights of more than
@@ -195,8 +236,9 @@ class OneSentenceProgram:
             (:func:`~qkv.models.unpadded.runs_unpadded`), with biases on every ``Linear``.
 
     Attributes:
-        compiled: programs compiled so far: the frozen one, then one that reads the weights
-            (another only when their dtype or device changes).
+        compiled: programs compiled so far: the frozen ones (one per span of token counts
+            that has run), then one that reads the weights (another only when their dtype or
+            device changes).
         compile_seconds: wall time spent compiling them.
         reads_weights: whether the program reading the weights as inputs runs (for good): the
             weights changed after the frozen program was compiled, MKL reads fast here, or
@@ -217,11 +259,13 @@ class OneSentenceProgram:
         self.compile_seconds = 0.0
         self.reads_weights = False
         self._fingerprint: Fingerprint = ([], [], [])  # of the weights in self._weights
-        self._frozen_at: Fingerprint | None = None  # of the weights frozen into the program
+        self._frozen_at: Fingerprint | None = None  # of the weights frozen into the programs
+        self._frozen: dict[Span, Callable[[list[Tensor]], list[Tensor]]] = {}  # by span
+        self._spans: list[Span] | None = None  # read on the first frozen call (_spans)
         self._known: list[int] = []  # identities of the sources in self._tensors
         self._tensors: list[Tensor] = []  # the sources found last (none of them None)
         self._weights: list[Tensor] = []
-        self._run: Callable[[list[Tensor]], list[Tensor]] | None = None
+        self._run: Callable[[list[Tensor]], list[Tensor]] | None = None  # reads the weights
         # the dtype and device of self._weights, and of the weights self._run was compiled for
         self._weights_key: tuple[torch.dtype, torch.device] | None = None
         self._run_key: tuple[torch.dtype, torch.device] | None = None
@@ -361,16 +405,21 @@ class OneSentenceProgram:
         tensors, now = self._fingerprinted()
         device = tensors[0].device
         ids, types = _program_input(ids, device), _program_input(types, device)
-        if not self.reads_weights and self._run is None and not _freezes(tensors):
+        if not self.reads_weights and self._frozen_at is None and not _freezes(tensors):
             self.reads_weights = True  # MKL reads fast here, or the weights are too large
         if not self.reads_weights:
-            if self._run is None:  # the first call: its weights frozen into the program
+            if self._spans is None:
+                self._spans = _spans(limit)
+            n = shape[1]
+            span = next(s for s in self._spans if s[0] <= n <= s[1])
+            run = self._frozen.get(span)
+            if run is None and self._frozen_at in (None, now):  # the span's first sentence
                 laid_out = _laid_out(tensors, column_major=False)
-                self._run = self._compile(ids, types, laid_out, frozen=True)
-                self._frozen_at = now
-            if now == self._frozen_at:
-                return self._run([ids, types])[0]  # [1, D]
-            self.reads_weights, self._run = True, None  # changed: read them from now on
+                run = self._compile(ids, types, laid_out, frozen=True, span=span)
+                self._frozen[span], self._frozen_at = run, now
+            if run is not None and now == self._frozen_at:
+                return run([ids, types])[0]  # [1, D]
+            self.reads_weights, self._frozen = True, {}  # changed: read them from now on
         weights = self._weights_for(tensors, now)
         if self._run is None or self._run_key != self._weights_key:
             self._run = self._compile(ids, types, weights, frozen=False)
@@ -378,7 +427,13 @@ class OneSentenceProgram:
         return self._run([ids, types, *weights])[0]  # [1, D]
 
     def _compile(
-        self, ids: Tensor, types: Tensor, weights: list[Tensor], *, frozen: bool
+        self,
+        ids: Tensor,
+        types: Tensor,
+        weights: list[Tensor],
+        *,
+        frozen: bool,
+        span: Span | None = None,
     ) -> Callable[[list[Tensor]], list[Tensor]]:
         """Export :func:`encode_one` with a dynamic token count and compile it with AOTInductor.
 
@@ -388,13 +443,18 @@ class OneSentenceProgram:
             weights: the weight list (:meth:`weights`, or its row-major form when ``frozen``).
             frozen: make the weights the program's constants, packed by inductor's freezing,
                 instead of its inputs.
+            span: the token counts the program takes and the one it is compiled at (the
+                example is cycled or cut to it); ``None``: 2 to ``max_position_embeddings``,
+                compiled at ``N``.
 
         Returns:
             The loaded program's ``boxed_run``: ``[ids, types]`` (frozen) or
             ``[ids, types, *weights]`` -> the outputs.
         """
         start = time.perf_counter()
-        n = torch.export.Dim("N", min=2, max=self.model.config.max_position_embeddings)
+        low, high, hint = span or (2, self.model.config.max_position_embeddings, None)
+        ids, types = _example(ids, hint), _example(types, hint)
+        n = torch.export.Dim("N", min=low, max=high)
         module: nn.Module
         example: tuple[Tensor, ...]
         dims: tuple[object, ...]
