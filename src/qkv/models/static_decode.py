@@ -25,8 +25,9 @@ column-major weights at B=1 (where prepacking gains nothing). So:
   memory maps on transparent huge pages (:func:`~qkv.models.weight_copies.huge_page_copies`:
   fewer TLB misses while streaming the weights). Its graph's wrapper is written in C++ by
   inductor (``cpp_wrapper``: no Python between the step's ~100 kernels): 0.96x the time of
-  64 tokens on GPT-2 small and on the Llama-style model, one thread (at B=8 the C++ wrapper
-  was 1.02x the time, so B > 1 keeps the Python wrapper). Each one-row product reaches MKL as
+  64 tokens on GPT-2 small and on the Llama-style model, one thread (at B=8, its products
+  through MKL, the C++ wrapper was 1.02x the time, so there B > 1 keeps the Python wrapper;
+  off Intel it does not, see below). Each one-row product reaches MKL as
   a contiguous row with its bias added outside it
   (:class:`~qkv.models.cpu_products.LeanRowProducts`: no clone of the row, no copy of the
   bias, ~1.2 ms of a 36 ms GPT-2 small step on an Intel Xeon, 1 thread). After a generation's
@@ -49,7 +50,11 @@ GPT-2 small's 49 products at 8 rows took 34.1-36.5 ms through the template again
 ms through oneDNN on a Zen 3 EPYC, 2 threads). The prompt, which runs eagerly, multiplies
 through oneDNN there too when torch runs more than one thread
 (:mod:`qkv.models.onednn_products`: GPT-2 small's 16-token prompt took 64 ms against 82
-through MKL, same Zen 3, 2 threads).
+through MKL, same Zen 3, 2 threads). Off Intel the B > 1 step's wrapper is written in C++
+as well (``cpp_wrapper``): on a Zen 1 EPYC (AVX2, 2 cores), 64 tokens at B=8, a median of 7
+generations in one process each, tokens/s: GPT-2 small 104.0-105.0 -> 112.2-114.1 (2 threads)
+and 66.7 -> 70.4 (1 thread), the Llama-style model 135.6 -> 143.1 (2 threads); it compiles
+~12 s longer.
 
 Either way this costs one more copy of the weights in memory. A copy must not outlive the
 weights it copies: each is kept with a fingerprint of the model's tensors (storage address and
@@ -138,8 +143,11 @@ def _fresh_step() -> Step:
 
 def _frozen(step: Step) -> Step:
     """``step`` called under inductor freezing (each call: a guard failure recompiles in it),
-    with :func:`~qkv.models.cpu_products.frozen_configs` as they are when it is made."""
-    configs = frozen_configs(mkl=mkl_reads_fast())
+    with :func:`~qkv.models.cpu_products.frozen_configs` as they are when it is made; off
+    MKL's fast path (:func:`~qkv.models.cpu_products.mkl_reads_fast`) its wrapper is written
+    in C++ (``cpp_wrapper``, see the module docstring)."""
+    mkl = mkl_reads_fast()
+    configs = frozen_configs(mkl=mkl) | ({} if mkl else {"cpp_wrapper": True})
 
     def call(
         model: DecoderOnlyModel,
