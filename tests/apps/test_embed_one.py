@@ -47,6 +47,34 @@ def eager(model: BertEncoder, ids: torch.Tensor, types: torch.Tensor) -> torch.T
         return l2_normalize(mean_pool(model(ids[None], mask, types[None], unpad=True), mask))
 
 
+StandIn = Callable[..., Callable[[list[torch.Tensor]], list[torch.Tensor]]]
+
+
+def recording(
+    program: OneSentenceProgram, seen: list[tuple[bool, embed_one.Span | None]]
+) -> StandIn:
+    """An eager stand-in for ``program._compile`` (:func:`eager_program`) that appends each
+    call's ``(frozen, span)`` to ``seen`` and checks the example a span's export would get:
+    the sentence cycled or cut to the span's own length."""
+
+    def stand_in(
+        ids: torch.Tensor,
+        types: torch.Tensor,
+        weights: list[torch.Tensor],
+        *,
+        frozen: bool,
+        span: embed_one.Span | None = None,
+    ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        seen.append((frozen, span))
+        if span is not None:
+            low, high, hint = span
+            ids, types = embed_one._example(ids, hint), embed_one._example(types, hint)
+            assert hint is None or (low <= hint <= high and ids.shape == types.shape == (1, hint))
+        return eager_program(program, ids, types, weights, frozen=frozen, span=span)
+
+    return stand_in
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 @pytest.mark.parametrize("n", [2, 5, 24])
 def test_the_function_equals_the_eager_path(activation: str, n: int) -> None:
@@ -138,15 +166,12 @@ def test_the_program_gets_int64_contiguous_rows(monkeypatch: pytest.MonkeyPatch)
     program = OneSentenceProgram(model)
     sent: list[list[torch.Tensor]] = []
 
+    record = recording(program, [])
+
     def stand_in(
-        ids: torch.Tensor,
-        types: torch.Tensor,
-        weights: list[torch.Tensor],
-        *,
-        frozen: bool,
-        span: embed_one.Span | None = None,
+        *args: object, **kwargs: object
     ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        run = eager_program(program, ids, types, weights, frozen=frozen)
+        run = record(*args, **kwargs)
         return lambda flat: (sent.append(flat[:2]), run(flat))[1]
 
     monkeypatch.setattr(program, "_compile", stand_in)
@@ -187,23 +212,7 @@ def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(embed_one, "FROZEN_MAX_BYTES", size - 1 if "large" in policy else size)
     reads_at_once = "mkl" in policy or "large" in policy
     compiled: list[tuple[bool, embed_one.Span | None]] = []
-
-    def stand_in(
-        ids: torch.Tensor,
-        types: torch.Tensor,
-        weights: list[torch.Tensor],
-        *,
-        frozen: bool,
-        span: embed_one.Span | None = None,
-    ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        compiled.append((frozen, span))
-        if span is not None:  # the example sentence is the span's own length
-            low, high, hint = span
-            ids, types = embed_one._example(ids, hint), embed_one._example(types, hint)
-            assert hint is None or (low <= hint <= high and ids.shape == types.shape == (1, hint))
-        return eager_program(program, ids, types, weights, frozen=frozen, span=span)
-
-    monkeypatch.setattr(program, "_compile", stand_in)
+    monkeypatch.setattr(program, "_compile", recording(program, compiled))
 
     def check(n: int) -> None:
         ids, types = sentence(n, seed=n)
@@ -236,20 +245,8 @@ def test_a_long_sentence_after_new_weights_reads_them(monkeypatch: pytest.Monkey
     monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl: configs)
     model = make(seed=6)
     program = OneSentenceProgram(model)
-    compiled: list[bool] = []
-
-    def stand_in(
-        ids: torch.Tensor,
-        types: torch.Tensor,
-        weights: list[torch.Tensor],
-        *,
-        frozen: bool,
-        span: embed_one.Span | None = None,
-    ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        compiled.append(frozen)
-        return eager_program(program, ids, types, weights, frozen=frozen, span=span)
-
-    monkeypatch.setattr(program, "_compile", stand_in)
+    compiled: list[tuple[bool, embed_one.Span | None]] = []
+    monkeypatch.setattr(program, "_compile", recording(program, compiled))
     for n, change in ((3, False), (20, True), (4, False)):
         if change:
             with torch.no_grad():
@@ -258,7 +255,8 @@ def test_a_long_sentence_after_new_weights_reads_them(monkeypatch: pytest.Monkey
         with torch.no_grad():
             got = program(ids[None], types[None])
         torch.testing.assert_close(got, eager(model, ids, types), atol=1e-6, rtol=0)
-    assert compiled == [True, False] and program.reads_weights and program._frozen == {}
+    assert [frozen for frozen, _ in compiled] == [True, False]
+    assert program.reads_weights and program._frozen == {}
 
 
 def test_example_sentences() -> None:
