@@ -57,7 +57,6 @@ import torch
 from torch import Tensor, nn
 
 from qkv.apps.embed_one_function import (
-    PER_LAYER,
     OnePlan,
     _Exported,
     _Frozen,
@@ -68,7 +67,7 @@ from qkv.models.bert import BertEncoder
 from qkv.models.cpu_products import frozen_configs, mkl_reads_fast
 from qkv.models.unpadded import runs_unpadded
 
-__all__ = ["PER_LAYER", "OnePlan", "OneSentenceProgram", "encode_one"]
+__all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
 
 _VERSION = operator.attrgetter("_version")
 
