@@ -15,7 +15,9 @@ Off Intel CPUs the first program is **frozen**: the weights of the first call ar
 constants, inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token count
 is dynamic, so freezing picks oneDNN over MKL), and on AVX2 CPUs each product runs the faster,
 timed while compiling, of oneDNN's and inductor's C++ GEMM template
-(:func:`~qkv.models.cpu_products.frozen_configs`).
+(:func:`~qkv.models.cpu_products.frozen_configs`), the template in 8x8 register blocks
+(:func:`~qkv.models.template_blocks.few_row_blocks`: on a Zen 1 EPYC the 24 products took
+3.04 / 5.36 / 9.50 ms at 5 / 12 / 22 rows against 3.74 / 7.87 / 13.09 in its own 4x24).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
@@ -45,6 +47,7 @@ width.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import tempfile
@@ -65,6 +68,7 @@ from qkv.apps.embed_one_function import (
 )
 from qkv.models.bert import BertEncoder
 from qkv.models.cpu_products import frozen_configs, mkl_reads_fast
+from qkv.models.template_blocks import few_row_blocks
 from qkv.models.unpadded import runs_unpadded
 
 __all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
@@ -82,7 +86,9 @@ others run two frozen programs, each timed at a typical length of its own
 5 rows is not the one for 16: on a 2-core Zen 1 EPYC, all-MiniLM-L6-v2's 24 products took,
 through inductor's C++ GEMM template timed at 5 rows against oneDNN's, 3.74 / 3.94 / 5.45 /
 7.82 / 10.03 / 14.47 ms at 5 / 6 / 8 / 12 / 16 / 24 rows, and 4.23 / 4.48 / 5.11 / 6.40 /
-8.03 / 9.79 ms through oneDNN alone."""
+8.03 / 9.79 ms through oneDNN alone. (Measured before the template's 8x8 blocks
+(:func:`~qkv.models.template_blocks.few_row_blocks`), with which the length it is timed at
+matters less: 7.15 / 9.50 ms at 16 / 22 rows timed at 5, 6.93 / 9.13 timed at 16.)"""
 
 SIZE_HINTS = (5, 16)
 """The token counts at which the short and the long program are compiled and their products
@@ -379,7 +385,8 @@ class OneSentenceProgram:
             example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
-            with tempfile.TemporaryDirectory() as tmp:
+            blocks = few_row_blocks() if frozen else contextlib.nullcontext()
+            with tempfile.TemporaryDirectory() as tmp, blocks:
                 path = torch._inductor.aoti_compile_and_package(
                     program,
                     package_path=str(Path(tmp) / "embed_one.pt2"),

@@ -54,7 +54,9 @@ through MKL, same Zen 3, 2 threads). Off Intel the B > 1 step's wrapper is writt
 as well (``cpp_wrapper``): on a Zen 1 EPYC (AVX2, 2 cores), 64 tokens at B=8, a median of 7
 generations in one process each, tokens/s: GPT-2 small 104.0-105.0 -> 112.2-114.1 (2 threads)
 and 66.7 -> 70.4 (1 thread), the Llama-style model 135.6 -> 143.1 (2 threads); it compiles
-~12 s longer.
+~12 s longer. And inductor's template multiplies there in 8x8 register blocks
+(:func:`~qkv.models.template_blocks.few_row_blocks`) instead of its own choice for 8 rows,
+4x24, which streams each weight panel from memory at one 4-row block's pace.
 
 Either way this costs one more copy of the weights in memory. A copy must not outlive the
 weights it copies: each is kept with a fingerprint of the model's tensors (storage address and
@@ -91,6 +93,7 @@ from qkv.models.cpu_products import (
 from qkv.models.direct_step import DirectCall, RecordingBackend
 from qkv.models.onednn_products import OneDnnProducts, onednn_products_fit
 from qkv.models.protocols import DecoderOnlyModel
+from qkv.models.template_blocks import few_row_blocks
 from qkv.models.weight_copies import fused_qkv_weights, linear_weights
 from qkv.nn.static_kv_cache import StaticKVCache
 
@@ -145,9 +148,11 @@ def _frozen(step: Step) -> Step:
     """``step`` called under inductor freezing (each call: a guard failure recompiles in it),
     with :func:`~qkv.models.cpu_products.frozen_configs` as they are when it is made; off
     MKL's fast path (:func:`~qkv.models.cpu_products.mkl_reads_fast`) its wrapper is written
-    in C++ (``cpp_wrapper``, see the module docstring)."""
+    in C++ (``cpp_wrapper``, see the module docstring) and inductor's GEMM template multiplies
+    in 8x8 register blocks (:func:`~qkv.models.template_blocks.few_row_blocks`)."""
     mkl = mkl_reads_fast()
     configs = frozen_configs(mkl=mkl) | ({} if mkl else {"cpp_wrapper": True})
+    blocks = contextlib.nullcontext if mkl else few_row_blocks
 
     def call(
         model: DecoderOnlyModel,
@@ -156,7 +161,7 @@ def _frozen(step: Step) -> Step:
         pos: Tensor,
         window: Tensor | None,
     ) -> Tensor:
-        with torch._inductor.config.patch(configs):
+        with torch._inductor.config.patch(configs), blocks():
             return step(model, ids, cache, pos, window)
 
     return call

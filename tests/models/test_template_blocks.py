@@ -1,0 +1,103 @@
+"""The register block inductor's C++ GEMM template gets within ``few_row_blocks``."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+from torch._inductor import cpu_vec_isa
+from torch._inductor.utils import run_and_get_code
+
+from qkv.models import template_blocks
+from qkv.models.template_blocks import FEW_ROW_BLOCK, few_row_blocks
+
+_found = template_blocks._table()  # imports inductor's modules in an order that works
+assert _found is not None, "torch 2.13 keeps the table where template_blocks looks"
+TABLE, KERNEL, AVX2, _ = _found
+cpp_micro_gemm = sys.modules["torch._inductor.codegen.cpp_micro_gemm"]
+
+
+def _float_avx2_blocks() -> list[tuple[int, int, int]]:
+    """The register blocks of the float32 AVX2 kernels in inductor's table now."""
+    blocks = TABLE[KERNEL]
+    return [c.register_blocking for c in blocks if template_blocks._is_float_avx2(c, AVX2)]
+
+
+def test_the_table_has_one_block_within_and_is_restored() -> None:
+    """Within: the float32 AVX2 blocks are FEW_ROW_BLOCK alone, every other kernel kept as it
+    was; nested and overlapping contexts (another thread's) restore the table when the last
+    ends, an exception included."""
+    before = TABLE[KERNEL]
+    others = [c for c in before if not template_blocks._is_float_avx2(c, AVX2)]
+    assert (4, 24, 1) in _float_avx2_blocks()  # torch 2.13's own choice for 8, 12, 16 rows
+    with few_row_blocks() as replaced:
+        assert replaced
+        assert _float_avx2_blocks() == [FEW_ROW_BLOCK]
+        assert [c for c in TABLE[KERNEL] if c in others] == others
+        with few_row_blocks() as again:
+            assert again
+        assert _float_avx2_blocks() == [FEW_ROW_BLOCK]  # the outer one is still open
+        inside: list[list[tuple[int, int, int]]] = []
+        opened, release = threading.Event(), threading.Event()
+
+        def other() -> None:
+            with few_row_blocks():
+                opened.set()
+                release.wait(10)
+                inside.append(_float_avx2_blocks())
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        opened.wait(10)
+    assert _float_avx2_blocks() == [FEW_ROW_BLOCK]  # the other thread's context is open
+    release.set()
+    thread.join(10)
+    assert inside == [[FEW_ROW_BLOCK]]
+    assert TABLE[KERNEL] is before
+    with pytest.raises(RuntimeError, match="inside"), few_row_blocks():
+        raise RuntimeError("inside")
+    assert TABLE[KERNEL] is before
+
+
+def test_changes_nothing_where_the_table_is_not_as_expected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A later torch without the table (or without float32 AVX2 blocks): the context yields
+    False and leaves the table alone."""
+    monkeypatch.setattr(cpp_micro_gemm, "micro_gemm_configs", None)
+    with few_row_blocks() as replaced:
+        assert not replaced
+    monkeypatch.setattr(cpp_micro_gemm, "micro_gemm_configs", {KERNEL: []})
+    with few_row_blocks() as replaced:
+        assert not replaced
+    assert cpp_micro_gemm.micro_gemm_configs == {KERNEL: []}
+    assert template_blocks._STATE == {"depth": 0, "before": None}
+
+
+def test_a_frozen_template_product_compiled_within_runs_8x8_blocks() -> None:
+    """For real (AVX2 vectors, forced on a wider CPU with ``cpp.simdlen``): a frozen
+    ``Linear`` on 8 rows through the template alone, compiled within, runs the 8x8 kernel
+    where inductor ranks 4x24 first, and equals the eager product."""
+    configs = {
+        "freezing": True,
+        "max_autotune_gemm": True,
+        "max_autotune_gemm_backends": "CPP",
+        "autotune_num_choices_displayed": 0,
+        "cpp.simdlen": 256,
+    }
+    with torch._inductor.config.patch(configs):
+        if not isinstance(cpu_vec_isa.pick_vec_isa(), AVX2):
+            pytest.skip("this CPU has no AVX2")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48).eval()
+    x = torch.randn(8, 64)  # [8, 64]
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(configs), few_row_blocks():
+        got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)  # [8, 48]
+        want = layer(x)  # [8, 48]
+    code = "\n".join(codes)
+    assert "micro_gemm_kernel<8, 8," in code
+    assert "micro_gemm_kernel<4, 24," not in code
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
