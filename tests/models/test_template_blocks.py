@@ -73,7 +73,23 @@ def test_changes_nothing_where_the_table_is_not_as_expected(
     with few_row_blocks() as replaced:
         assert not replaced
     assert cpp_micro_gemm.micro_gemm_configs == {KERNEL: []}
-    assert template_blocks._STATE == {"depth": 0, "before": None}
+    assert template_blocks._STATE == {"depth": 0, "before": None, "blocks": None}
+
+
+def test_other_blocks_and_bad_blocks() -> None:
+    """Blocks of the caller's choice (the benchmark's); other blocks while a context is open,
+    or a block AVX2's kernel cannot be, are clear errors that leave the table as it was."""
+    before = TABLE[KERNEL]
+    with few_row_blocks(((12, 8, 1), (4, 16, 1))):
+        assert _float_avx2_blocks() == [(12, 8, 1), (4, 16, 1)]
+        with pytest.raises(RuntimeError, match=r"\(8, 8, 1\)"), few_row_blocks():
+            pass
+        assert _float_avx2_blocks() == [(12, 8, 1), (4, 16, 1)]
+    assert TABLE[KERNEL] is before
+    for bad in [(), ((8, 12, 1),), ((0, 8, 1),), ((8, 8, 2),), ((8, 8),)]:
+        with pytest.raises(ValueError, match="multiple of 8"), few_row_blocks(bad):  # type: ignore[arg-type]
+            pass
+    assert TABLE[KERNEL] is before
 
 
 def test_a_frozen_template_product_compiled_within_runs_8x8_blocks() -> None:

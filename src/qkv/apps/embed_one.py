@@ -17,7 +17,7 @@ is dynamic, so freezing picks oneDNN over MKL), and on AVX2 CPUs each product ru
 timed while compiling, of oneDNN's and inductor's C++ GEMM template
 (:func:`~qkv.models.cpu_products.frozen_configs`), the template in 8x8 register blocks
 (:func:`~qkv.models.template_blocks.few_row_blocks`: on a Zen 1 EPYC the 24 products took
-3.04 / 5.36 / 9.50 ms at 5 / 12 / 22 rows against 3.74 / 7.87 / 13.09 in its own 4x24).
+3.48 / 5.53 / 9.46 ms at 5 / 12 / 22 rows against 4.46 / 8.23 / 13.85 in its own 4x24).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
@@ -88,7 +88,8 @@ through inductor's C++ GEMM template timed at 5 rows against oneDNN's, 3.74 / 3.
 7.82 / 10.03 / 14.47 ms at 5 / 6 / 8 / 12 / 16 / 24 rows, and 4.23 / 4.48 / 5.11 / 6.40 /
 8.03 / 9.79 ms through oneDNN alone. (Measured before the template's 8x8 blocks
 (:func:`~qkv.models.template_blocks.few_row_blocks`), with which the length it is timed at
-matters less: 7.15 / 9.50 ms at 16 / 22 rows timed at 5, 6.93 / 9.13 timed at 16.)"""
+matters less: 7.15 / 9.50 ms at 16 / 22 rows timed at 5, 6.93 / 9.13 timed at 16, each
+program in a process of its own.)"""
 
 SIZE_HINTS = (5, 16)
 """The token counts at which the short and the long program are compiled and their products

@@ -9,15 +9,21 @@ panel (K x 24 floats, 36 KB for K = 384: more than the 32 KB of L1) three times,
 from memory at one row-block's pace; an 8x8 block streams a panel of 12 KB (it stays in L1)
 that a block of up to 8 rows reads once.
 
-Measured on a 2-core AMD EPYC (Zen 1, AVX2, 2 threads), the 24 products of all-MiniLM-L6-v2
-(an AOTInductor program of them, frozen, each product timed between oneDNN's and the template
-while compiling), ms at 5 / 8 / 12 / 16 / 22 rows:
+Measured on a 2-core AMD EPYC (Zen 1, AVX2, 2 threads) by ``benchmarks/products.py``: the 24
+products of all-MiniLM-L6-v2 (AOTInductor programs of them, frozen, compiled at 12 rows with a
+symbolic row count, timed in turns in one process), ms at 5 / 8 / 12 / 16 / 22 rows:
 
-* 4x24 (the template's own choice): 3.74 / 5.59 / 7.87 / 10.20 / 13.09;
-* 8x8 (:func:`few_row_blocks`): 3.04 / 3.84 / 5.36 / 7.15 / 9.50;
-* 12x8: 3.35 / 4.02 / 5.44 / 6.89 / 8.92;
-* oneDNN on its packed weights: 4.51 / 5.45 / 6.53 / 7.91 / 9.58;
-* ONNX Runtime's MatMuls (its own MLAS kernels, same chain): 2.89 / 3.70 / 4.76 / 5.93 / 7.87.
+* the template in 4x24 blocks (its own choice): 4.46 / 6.08 / 8.23 / 10.84 / 13.85;
+* in 8x8 blocks (:func:`few_row_blocks`): 3.48 / 3.95 / 5.53 / 7.26 / 9.46;
+* in 12x8 blocks: 3.50 / 4.01 / 5.24 / 7.03 / 9.15;
+* oneDNN on its packed weights: 4.83 / 5.49 / 6.59 / 8.09 / 9.92;
+* ONNX Runtime's MatMuls (its own MLAS kernels, the same module): 3.11 / 3.94 / 4.98 / 6.26 /
+  8.05.
+
+The frozen B > 1 decoding step (:mod:`qkv.models.static_decode`) compiles within it too: on
+the same machine, 64 tokens at B=8, 2 threads, GPT-2 small went from 112.1 to 132.8 tokens/s
+and a 12-layer Llama-style model from 146.1 to 160.9 (a median of 7 generations, a process
+each).
 
 Which register block a product gets is not one of inductor's settings, so
 :func:`few_row_blocks` replaces the template's table of float32 AVX2 blocks while a program
@@ -34,16 +40,19 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["FEW_ROW_BLOCK", "few_row_blocks"]
+__all__ = ["FEW_ROW_BLOCK", "Block", "few_row_blocks"]
 
 FEW_ROW_BLOCK = (8, 8, 1)
 """Rows, columns and K-step of the only float32 AVX2 register block :func:`few_row_blocks`
 leaves the template (see the module docstring for the measurements)."""
 
 _LOCK = threading.Lock()
-_STATE: dict[str, object] = {"depth": 0, "before": None}
-"""How many :func:`few_row_blocks` contexts are open (in any thread), and the table's list of
-blocks before the first of them replaced it."""
+_STATE: dict[str, object] = {"depth": 0, "before": None, "blocks": None}
+"""How many :func:`few_row_blocks` contexts are open (in any thread), the table's list of
+blocks before the first of them replaced it, and the blocks they put there."""
+
+Block = tuple[int, int, int]
+"""A register block: rows, columns (a multiple of 8, AVX2's float32 vector) and K-step."""
 
 Table = tuple[dict[type, list[Any]], type, type, Callable[..., list[Any]]]
 """Inductor's table of micro-kernel blocks, its float32 vector kernel class (the table's key),
@@ -74,9 +83,13 @@ def _is_float_avx2(config: object, avx2: type) -> bool:
     return getattr(config, "vec_isa_cls", None) is avx2 and dtypes == [torch.float] * 3
 
 
-def _enter(found: Table) -> bool:
-    """Replace the table's float32 AVX2 blocks (the first context to open does); whether they
-    are replaced."""
+def _enter(found: Table, blocks: tuple[Block, ...]) -> bool:
+    """Replace the table's float32 AVX2 blocks with ``blocks`` (the first context to open
+    does); whether they are replaced.
+
+    Raises:
+        RuntimeError: other ``blocks`` than those of a context still open.
+    """
     table, kernel, avx2, make = found
     with _LOCK:
         if _STATE["depth"] == 0:
@@ -84,8 +97,13 @@ def _enter(found: Table) -> bool:
             kept = [c for c in before if not _is_float_avx2(c, avx2)]
             if len(kept) == len(before):
                 return False
-            _STATE["before"] = before
-            table[kernel] = kept + list(make(avx2, [FEW_ROW_BLOCK], input_dtype=torch.float))
+            _STATE["before"], _STATE["blocks"] = before, blocks
+            table[kernel] = kept + list(make(avx2, list(blocks), input_dtype=torch.float))
+        elif _STATE["blocks"] != blocks:
+            raise RuntimeError(
+                f"few_row_blocks({list(blocks)}) while a context with {_STATE['blocks']} is "
+                "open (in this or another thread): the table holds one set of blocks at a time"
+            )
         _STATE["depth"] = cast(int, _STATE["depth"]) + 1
         return True
 
@@ -97,26 +115,40 @@ def _leave(found: Table) -> None:
         _STATE["depth"] = depth = cast(int, _STATE["depth"]) - 1
         if depth == 0:
             table[kernel] = cast(list[Any], _STATE["before"])
-            _STATE["before"] = None
+            _STATE["before"] = _STATE["blocks"] = None
 
 
 @contextlib.contextmanager
-def few_row_blocks() -> Iterator[bool]:
+def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[bool]:
     """Within: inductor's C++ GEMM template multiplies float32 on AVX2 in register blocks of
-    :data:`FEW_ROW_BLOCK` only (see the module docstring). The table is restored when the last
-    open context ends. Other dtypes and other vector widths (AVX-512) keep their blocks. A
-    product compiled within keeps its block after the context ends; one compiled outside is
-    unchanged.
+    :data:`FEW_ROW_BLOCK` only (see the module docstring), or of ``blocks`` (inductor ranks
+    them when it compiles a product; ``benchmarks/products.py`` compares them). The table is
+    restored when the last open context ends. Other dtypes and other vector widths (AVX-512)
+    keep their blocks. A product compiled within keeps its block after the context ends; one
+    compiled outside is unchanged.
 
     The table is the process's: another thread compiling a float32 AVX2 product while a context
-    is open gets the same blocks. Contexts may nest and overlap across threads.
+    is open gets the same blocks. Contexts may nest and overlap across threads, all with the
+    same ``blocks``.
+
+    Args:
+        blocks: register blocks ``(rows, columns, 1)``, columns a positive multiple of 8.
 
     Yields:
         Whether the blocks are replaced (False where inductor's table is not where this module
         expects it, or has no float32 AVX2 block).
+
+    Raises:
+        ValueError: no blocks, or a block that is not ``(rows >= 1, 8 * n, 1)``.
+        RuntimeError: other ``blocks`` than those of a context still open.
     """
+    bad = [b for b in blocks if len(b) != 3 or b[0] < 1 or b[1] < 8 or b[1] % 8 or b[2] != 1]
+    if not blocks or bad:
+        raise ValueError(
+            f"blocks must be (rows >= 1, columns a multiple of 8, 1) tuples, got {list(blocks)}"
+        )
     found = _table()
-    entered = found is not None and _enter(found)
+    entered = found is not None and _enter(found, tuple(blocks))
     try:
         yield entered
     finally:
