@@ -34,6 +34,7 @@ later torch), the context changes nothing.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -62,9 +63,10 @@ its ``VecAVX2`` class and its ``generate_gemm_config``."""
 def _table() -> Table | None:
     """Inductor's table of micro-kernel blocks and what replacing a block needs, or ``None``
     where they are not where torch 2.13 keeps them."""
-    try:
-        import torch._inductor.compile_fx  # noqa: F401  (cpp_micro_gemm's imports need it first)
-        from torch._inductor.codegen import cpp_micro_gemm
+    try:  # loaded when first needed (inductor is slow to import); compile_fx first, or
+        # cpp_micro_gemm's own imports run into a cycle
+        importlib.import_module("torch._inductor.compile_fx")
+        cpp_micro_gemm = importlib.import_module("torch._inductor.codegen.cpp_micro_gemm")
     except ImportError:
         return None
     table = getattr(cpp_micro_gemm, "micro_gemm_configs", None)
