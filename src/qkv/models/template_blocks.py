@@ -4,7 +4,9 @@ Inductor's C++ GEMM template computes ``X @ W`` in register blocks of ``Mr`` row
 columns: each block runs a small kernel along all of K that keeps ``Mr * Nr / 8`` vectors of
 the result in registers. For float32 on AVX2 it has three blocks, 4x24, 4x16 and 8x8, and
 picks one when it compiles a product, ranked first by whether the example's row count divides
-by ``Mr``: 4x24 for 8, 12 or 16 rows. With 4x24 a product on 12 rows streams each weight
+by ``Mr`` and the columns by ``Nr``, then by the block's size: 4x24 for 8, 12 or 16 rows
+where N divides by 24 (every weight of all-MiniLM-L6-v2 and of GPT-2 small but its vocabulary
+head). With 4x24 a product on 12 rows streams each weight
 panel (K x 24 floats, 36 KB for K = 384: more than the 32 KB of L1) three times, the first time
 from memory at one row-block's pace; an 8x8 block streams a panel of 12 KB (it stays in L1)
 that a block of up to 8 rows reads once.
