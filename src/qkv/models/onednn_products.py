@@ -9,9 +9,17 @@ GPT-2 small's 48 layer products, ms, MKL against oneDNN, 2 threads: 20.7 / 15.8 
 / 39.8 at 16, 67.9 / 57.4 at 32, 106 / 92 at 64, 255 / 212 at 128, 369 / 350 at 256, 639 /
 693 at 512; 1 thread: 21.6 / 22.1 at 1 row, 78.1 / 79.3 at 16, 105 / 108 at 32, 304 / 339 at
 128, 1047 / 1155 at 512. oneDNN gains where MKL's generic code divides few rows among threads,
-so it takes products of at most :data:`MAX_ROWS` rows with more than one thread. A 16-token
-prompt of GPT-2 small (2 threads) took 64.0 ms against 82.1 (the 12-layer Llama-style model of
-``benchmarks/decode.py``: 65.5 against 74.8), the greedy token the same, logits within 4e-6.
+so it takes products with more than one thread. A 16-token prompt of GPT-2 small (2 threads)
+took 64.0 ms against 82.1 (the 12-layer Llama-style model of ``benchmarks/decode.py``: 65.5
+against 74.8), the greedy token the same, logits within 4e-6.
+
+Products of more than 256 rows stayed with MKL at first, after the 512-row figure above. On
+another 2-core Zen 3 EPYC (2026-12-07, night; GPT-2 small's shapes, 12 layers of distinct
+weights, 2 threads, MKL and oneDNN in turns, the median of per-turn ratios) oneDNN took 0.70x
+MKL's time at 16 rows, 0.67x at 64, 0.77x at 256, 0.76x at 512, 0.84x at 1024, 0.93x at 2048
+and 0.87x at 4096 (``brg_matmul:avx2`` against MKL's generic ``SGEMM``), and a whole 512-token
+prompt 0.86x (GPT-2 small) and 0.91x (the Llama-style model), 1000 tokens of GPT-2 small 0.83x,
+the greedy token the same. So it now takes products of any row count.
 
 :class:`OneDnnProducts` is a :class:`~torch.overrides.TorchFunctionMode` (per thread, for the
 ``with`` block only) that sends each ``F.linear`` it can to oneDNN and leaves every other call
@@ -29,10 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from qkv.models.cpu_products import mkl_reads_fast
 
-__all__ = ["MAX_ROWS", "OneDnnProducts", "onednn_products_fit"]
-
-MAX_ROWS = 256
-"""The most rows (``x.numel() // K``) of a product sent to oneDNN (more go to MKL)."""
+__all__ = ["OneDnnProducts", "onednn_products_fit"]
 
 
 def onednn_products_fit() -> bool:
@@ -62,14 +67,14 @@ def _plain(t: Tensor) -> bool:
 
 def _fits(x: Any, w: Any, b: Any) -> bool:
     """Whether oneDNN takes ``F.linear(x, w, b)`` (and computes it as ATen would): ``x``
-    ``[..., K]`` (at least 2-D) of 1 to :data:`MAX_ROWS` rows, ``w`` a contiguous ``[N, K]``,
+    ``[..., K]`` (at least 2-D) of at least one row, ``w`` a contiguous ``[N, K]``,
     ``b`` None or ``[N]``, all :func:`_plain`. Anything else (and any shape error) is left to
     ``F.linear``."""
     if not (isinstance(x, Tensor) and isinstance(w, Tensor) and _plain(x) and _plain(w)):
         return False
     if x.dim() < 2 or w.dim() != 2 or not w.is_contiguous() or x.shape[-1] != w.shape[1]:
         return False
-    if not 0 < x.numel() <= MAX_ROWS * w.shape[1]:
+    if x.numel() == 0:  # no rows, or K = 0: ATen's
         return False
     if b is None:
         return True
@@ -78,10 +83,10 @@ def _fits(x: Any, w: Any, b: Any) -> bool:
 
 class OneDnnProducts(TorchFunctionMode):
     """Inside ``with OneDnnProducts():``, each ``F.linear(x, w, b)`` of float32 CPU tensors
-    with a contiguous ``[N, K]`` weight (``nn.Linear``'s) and at most :data:`MAX_ROWS` rows
+    with a contiguous ``[N, K]`` weight (``nn.Linear``'s) and at least one row
     runs as oneDNN's product on the plain weight (``torch.ops.mkldnn._linear_pointwise``);
     every other call, and every product it cannot take (other dtypes, a transposed weight,
-    more rows, tensors that autograd follows, tensor subclasses), runs unchanged. The results
+    empty inputs, tensors that autograd follows, tensor subclasses), runs unchanged. The results
     differ from MKL's by rounding only (another summation order, fused multiply-adds)."""
 
     def __torch_function__(
