@@ -11,7 +11,7 @@ from torch._inductor import cpu_vec_isa
 from torch._inductor.utils import run_and_get_code
 
 from qkv.models import template_blocks
-from qkv.models.template_blocks import FEW_ROW_BLOCK, few_row_blocks
+from qkv.models.template_blocks import FEW_ROW_BLOCK, SENTENCE_BLOCK, few_row_blocks
 
 _found = template_blocks._table()  # imports inductor's modules in an order that works
 assert _found is not None, "torch 2.13 keeps the table where template_blocks looks"
@@ -77,14 +77,19 @@ def test_changes_nothing_where_the_table_is_not_as_expected(
 
 
 def test_other_blocks_and_bad_blocks() -> None:
-    """Blocks of the caller's choice (the benchmark's); other blocks while a context is open,
-    or a block AVX2's kernel cannot be, are clear errors that leave the table as it was."""
+    """Blocks of the caller's choice (the benchmark's); other blocks inside a context of the
+    same thread, or a block AVX2's kernel cannot be, are clear errors that leave the table as
+    it was."""
     before = TABLE[KERNEL]
     with few_row_blocks(((12, 8, 1), (4, 16, 1))):
         assert _float_avx2_blocks() == [(12, 8, 1), (4, 16, 1)]
-        with pytest.raises(RuntimeError, match=r"\(8, 8, 1\)"), few_row_blocks():
+        inside = r"inside a context of this thread.*\(12, 8, 1\)"
+        with pytest.raises(RuntimeError, match=inside), few_row_blocks():
             pass
         assert _float_avx2_blocks() == [(12, 8, 1), (4, 16, 1)]
+    assert TABLE[KERNEL] is before
+    with few_row_blocks((SENTENCE_BLOCK,)):
+        assert _float_avx2_blocks() == [SENTENCE_BLOCK]
     assert TABLE[KERNEL] is before
     for bad in [(), ((8, 12, 1),), ((0, 8, 1),), ((8, 8, 2),), ((8, 8),)]:
         with pytest.raises(ValueError, match="multiple of 8"), few_row_blocks(bad):  # type: ignore[arg-type]
@@ -92,10 +97,49 @@ def test_other_blocks_and_bad_blocks() -> None:
     assert TABLE[KERNEL] is before
 
 
-def test_a_frozen_template_product_compiled_within_runs_8x8_blocks() -> None:
+def test_another_threads_other_blocks_wait_for_the_open_context() -> None:
+    """A thread asking for other blocks while another thread's context is open waits until it
+    closes, then gets its own blocks; the table is restored after both."""
+    before = TABLE[KERNEL]
+    opened, release, waiting = threading.Event(), threading.Event(), threading.Event()
+    seen: list[list[tuple[int, int, int]]] = []
+
+    def first() -> None:
+        with few_row_blocks():
+            opened.set()
+            release.wait(10)
+            seen.append(_float_avx2_blocks())
+
+    def second() -> None:
+        opened.wait(10)
+        waiting.set()
+        with few_row_blocks((SENTENCE_BLOCK,)):
+            seen.append(_float_avx2_blocks())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    waiting.wait(10)
+    threads[1].join(0.3)
+    assert threads[1].is_alive()  # waiting for the first context
+    assert seen == [] and _float_avx2_blocks() == [FEW_ROW_BLOCK]
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert seen == [[FEW_ROW_BLOCK], [SENTENCE_BLOCK]]
+    assert TABLE[KERNEL] is before
+    assert template_blocks._STATE == {"depth": 0, "before": None, "blocks": None}
+
+
+@pytest.mark.parametrize(
+    ("block", "kernel"), [(FEW_ROW_BLOCK, "<8, 8,"), (SENTENCE_BLOCK, "<6, 16,")]
+)
+def test_a_frozen_template_product_compiled_within_runs_its_blocks(
+    block: tuple[int, int, int], kernel: str
+) -> None:
     """For real (AVX2 vectors, forced on a wider CPU with ``cpp.simdlen``): a frozen
-    ``Linear`` on 8 rows through the template alone, compiled within, runs the 8x8 kernel
-    where inductor ranks 4x24 first, and equals the eager product."""
+    ``Linear`` on 8 rows through the template alone, compiled within, runs the kernel of the
+    block asked for where inductor ranks 4x24 first, and equals the eager product."""
     configs = {
         "freezing": True,
         "max_autotune_gemm": True,
@@ -110,10 +154,10 @@ def test_a_frozen_template_product_compiled_within_runs_8x8_blocks() -> None:
     layer = torch.nn.Linear(64, 48).eval()
     x = torch.randn(8, 64)  # [8, 64]
     torch._dynamo.reset()
-    with torch.no_grad(), torch._inductor.config.patch(configs), few_row_blocks():
+    with torch.no_grad(), torch._inductor.config.patch(configs), few_row_blocks((block,)):
         got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)  # [8, 48]
         want = layer(x)  # [8, 48]
     code = "\n".join(codes)
-    assert "micro_gemm_kernel<8, 8," in code
+    assert f"micro_gemm_kernel{kernel}" in code
     assert "micro_gemm_kernel<4, 24," not in code
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

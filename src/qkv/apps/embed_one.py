@@ -15,9 +15,11 @@ Off Intel CPUs the first program is **frozen**: the weights of the first call ar
 constants, inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token count
 is dynamic, so freezing picks oneDNN over MKL), and on AVX2 CPUs each product runs the faster,
 timed while compiling, of oneDNN's and inductor's C++ GEMM template
-(:func:`~qkv.models.cpu_products.frozen_configs`), the template in 8x8 register blocks
-(:func:`~qkv.models.template_blocks.few_row_blocks`: on a Zen 1 EPYC the 24 products took
-3.48 / 5.53 / 9.46 ms at 5 / 12 / 22 rows against 4.46 / 8.23 / 13.85 in its own 4x24).
+(:func:`~qkv.models.cpu_products.frozen_configs`), the template in register blocks for few
+rows (:func:`~qkv.models.template_blocks.few_row_blocks`): first 8x8 (on a Zen 1 EPYC the 24
+products took 3.48 / 5.53 / 9.46 ms at 5 / 12 / 22 rows against 4.46 / 8.23 / 13.85 in its own
+4x24), now 6x16 (:data:`~qkv.models.template_blocks.SENTENCE_BLOCK`: on a Zen 3 EPYC 3.33 /
+4.79 / 7.23 ms against 3.76 / 5.02 / 7.94 in 8x8).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
@@ -68,7 +70,7 @@ from qkv.apps.embed_one_function import (
 )
 from qkv.models.bert import BertEncoder
 from qkv.models.cpu_products import frozen_configs, mkl_reads_fast
-from qkv.models.template_blocks import few_row_blocks
+from qkv.models.template_blocks import SENTENCE_BLOCK, few_row_blocks
 from qkv.models.unpadded import runs_unpadded
 
 __all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
@@ -386,7 +388,7 @@ class OneSentenceProgram:
             example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
-            blocks = few_row_blocks() if frozen else contextlib.nullcontext()
+            blocks = few_row_blocks((SENTENCE_BLOCK,)) if frozen else contextlib.nullcontext()
             with tempfile.TemporaryDirectory() as tmp, blocks:
                 path = torch._inductor.aoti_compile_and_package(
                     program,

@@ -22,6 +22,20 @@ symbolic row count, timed in turns in one process), ms at 5 / 8 / 12 / 16 / 22 r
 * ONNX Runtime's MatMuls (its own MLAS kernels, the same module): 3.11 / 3.94 / 4.98 / 6.26 /
   8.05.
 
+On a 2-core Zen 3 EPYC (AVX2, 2 threads; the same benchmark compiled at 16 rows), ms at 8 /
+12 / 16 / 22 / 32 rows:
+
+* 8x8: 3.94 / 5.02 / 6.51 / 7.94 / 10.87;
+* 6x16 (:data:`SENTENCE_BLOCK`): 3.94 / 4.79 / 5.89 / 7.23 / 8.72;
+* 12x8: 3.61 / 5.09 / 6.28 / 7.33 / 10.42;
+* oneDNN: 5.95 / 7.47 / 9.36 / 10.50 / 13.34;
+* ONNX Runtime: 3.52 / 4.50 / 5.80 / 6.75 / 8.67;
+
+and at 5 rows (compiled at 12) 8x8 3.76, 6x16 3.33, 12x8 3.56, ONNX Runtime 3.24. So the
+one-sentence embedding programs compile in 6x16 blocks: 5-, 12- and 22-token sentences took
+4.04 / 6.46 / 8.75 ms against 4.62 / 6.57 / 9.31 in 8x8 blocks (``benchmarks/embed.py``, a
+process each). A 6x16 block reads a panel of K x 16 floats (24 KB for K = 384, within L1).
+
 The frozen B > 1 decoding step (:mod:`qkv.models.static_decode`) compiles within it too: on
 the same machine, 64 tokens at B=8, 2 threads, GPT-2 small went from 112.1 to 132.8 tokens/s
 and a 12-layer Llama-style model from 146.1 to 160.9 (a median of 7 generations, a process
@@ -43,16 +57,25 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["FEW_ROW_BLOCK", "Block", "few_row_blocks"]
+__all__ = ["FEW_ROW_BLOCK", "SENTENCE_BLOCK", "Block", "few_row_blocks"]
 
 FEW_ROW_BLOCK = (8, 8, 1)
 """Rows, columns and K-step of the only float32 AVX2 register block :func:`few_row_blocks`
-leaves the template (see the module docstring for the measurements)."""
+leaves the template by default: the frozen B > 1 decoding step's (see the module docstring for
+the measurements)."""
 
-_LOCK = threading.Lock()
+SENTENCE_BLOCK = (6, 16, 1)
+"""The block of the one-sentence embedding programs (:mod:`qkv.apps.embed_one`): six rows of
+two vectors, twelve accumulators, the register block of BLIS's AVX2 float32 kernel. On a 2-core
+Zen 3 EPYC it beat 8x8 at every row count from 5 to 32 but 8 (see the module docstring)."""
+
+_FREE = threading.Condition()
 _STATE: dict[str, object] = {"depth": 0, "before": None, "blocks": None}
 """How many :func:`few_row_blocks` contexts are open (in any thread), the table's list of
 blocks before the first of them replaced it, and the blocks they put there."""
+
+_OWN = threading.local()
+"""``depth``: how many of the open contexts are this thread's."""
 
 Block = tuple[int, int, int]
 """A register block: rows, columns (a multiple of 8, AVX2's float32 vector) and K-step."""
@@ -89,13 +112,22 @@ def _is_float_avx2(config: object, avx2: type) -> bool:
 
 def _enter(found: Table, blocks: tuple[Block, ...]) -> bool:
     """Replace the table's float32 AVX2 blocks with ``blocks`` (the first context to open
-    does); whether they are replaced.
+    does; one asking for other blocks than the open contexts' waits until they have closed);
+    whether they are replaced.
 
     Raises:
-        RuntimeError: other ``blocks`` than those of a context still open.
+        RuntimeError: other ``blocks`` than those of a context this thread holds open (waiting
+            for it would never end).
     """
     table, kernel, avx2, make = found
-    with _LOCK:
+    own = getattr(_OWN, "depth", 0)
+    with _FREE:
+        if _STATE["depth"] and _STATE["blocks"] != blocks and own:
+            raise RuntimeError(
+                f"few_row_blocks({list(blocks)}) inside a context of this thread with "
+                f"{_STATE['blocks']}: the table holds one set of blocks at a time"
+            )
+        _FREE.wait_for(lambda: _STATE["depth"] == 0 or _STATE["blocks"] == blocks)
         if _STATE["depth"] == 0:
             before = table[kernel]
             kept = [c for c in before if not _is_float_avx2(c, avx2)]
@@ -103,23 +135,21 @@ def _enter(found: Table, blocks: tuple[Block, ...]) -> bool:
                 return False
             _STATE["before"], _STATE["blocks"] = before, blocks
             table[kernel] = kept + list(make(avx2, list(blocks), input_dtype=torch.float))
-        elif _STATE["blocks"] != blocks:
-            raise RuntimeError(
-                f"few_row_blocks({list(blocks)}) while a context with {_STATE['blocks']} is "
-                "open (in this or another thread): the table holds one set of blocks at a time"
-            )
         _STATE["depth"] = cast(int, _STATE["depth"]) + 1
+        _OWN.depth = own + 1
         return True
 
 
 def _leave(found: Table) -> None:
     """Close a context that :func:`_enter` opened (the last one restores the table)."""
     table, kernel, _, _ = found
-    with _LOCK:
+    with _FREE:
         _STATE["depth"] = depth = cast(int, _STATE["depth"]) - 1
+        _OWN.depth -= 1
         if depth == 0:
             table[kernel] = cast(list[Any], _STATE["before"])
             _STATE["before"] = _STATE["blocks"] = None
+            _FREE.notify_all()
 
 
 @contextlib.contextmanager
@@ -132,8 +162,9 @@ def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[boo
     compiled outside is unchanged.
 
     The table is the process's: another thread compiling a float32 AVX2 product while a context
-    is open gets the same blocks. Contexts may nest and overlap across threads, all with the
-    same ``blocks``.
+    is open gets the same blocks. Contexts with the same ``blocks`` may nest and overlap across
+    threads; a context asking for other blocks waits until every open one (another thread's)
+    has closed.
 
     Args:
         blocks: register blocks ``(rows, columns, 1)``, columns a positive multiple of 8.
@@ -144,7 +175,7 @@ def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[boo
 
     Raises:
         ValueError: no blocks, or a block that is not ``(rows >= 1, 8 * n, 1)``.
-        RuntimeError: other ``blocks`` than those of a context still open.
+        RuntimeError: other ``blocks`` than those of a context this thread holds open.
     """
     bad = [b for b in blocks if len(b) != 3 or b[0] < 1 or b[1] < 8 or b[1] % 8 or b[2] != 1]
     if not blocks or bad:
