@@ -7,8 +7,9 @@ caches, as in a real sentence): per layer ``x @ Wqkv`` ([384, 1152]), ``x @ Wo``
 
 * ``template RxC``: an AOTInductor program of them, frozen, every product through inductor's
   C++ GEMM template alone (max-autotune with the ``CPP`` backend only), compiled within
-  :func:`qkv.models.template_blocks.few_row_blocks` with that one register block; ``template
-  (own)`` is torch's own table of blocks (4x24 for 8, 12 or 16 rows on AVX2);
+  :func:`qkv.models.template_blocks.few_row_blocks` with that one register block (``RxC+p``:
+  and its prefetch of the next weight panel); ``template (own)`` is torch's own table of
+  blocks (4x24 for 8, 12 or 16 rows on AVX2);
 * ``oneDNN``: the same program with freezing only (a symbolic row count: oneDNN's packed
   product);
 * ``ONNX Runtime``: the same module exported to ONNX (its MatMuls on weights it prepacks).
@@ -19,7 +20,7 @@ after 0.15 s of untimed calls (so that another runtime's spinning threads are qu
 timed calls; a median over ``--repeats`` turns. The register blocks only apply where inductor
 vectorizes with AVX2 (elsewhere they all run the table of that CPU's vectors).
 
-    python benchmarks/products.py [--rows 5,8,12,16,22] [--blocks 8x8,12x8,4x16] [--quick]
+    python benchmarks/products.py [--rows 5,8,12,16,22] [--blocks 8x8,6x16,6x16+p] [--quick]
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def contestants(model: Products, args: argparse.Namespace) -> dict[str, Run]:
         if text == "own":
             runs["template (own)"] = aoti(model, x, template)
             continue
-        with few_row_blocks((parse_block(text),)):
+        with few_row_blocks((parse_block(text.removesuffix("+p")),), text.endswith("+p")):
             runs[f"template {text}"] = aoti(model, x, template)
     runs["oneDNN"] = aoti(model, x, {"freezing": True})
     return runs
@@ -136,8 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="5,8,12,16,22", help="comma-separated row counts")
     parser.add_argument(
-        "--blocks", default="8x8,12x8,4x16,own",
-        help="comma-separated register blocks RxC (C a multiple of 8), 'own' for torch's table",
+        "--blocks", default="8x8,6x16,6x16+p,own",
+        help="comma-separated register blocks RxC (C a multiple of 8; RxC+p: with the next "
+        "panel's prefetch), 'own' for torch's table",
     )  # fmt: skip
     parser.add_argument("--hint", type=int, default=12, help="rows the programs compile at")
     parser.add_argument("--repeats", type=int, default=12)

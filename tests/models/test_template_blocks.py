@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any, cast
 
 import pytest
 import torch
@@ -73,7 +74,12 @@ def test_changes_nothing_where_the_table_is_not_as_expected(
     with few_row_blocks() as replaced:
         assert not replaced
     assert cpp_micro_gemm.micro_gemm_configs == {KERNEL: []}
-    assert template_blocks._STATE == {"depth": 0, "before": None, "blocks": None}
+    assert template_blocks._STATE == {
+        "depth": 0,
+        "before": None,
+        "blocks": None,
+        "kernel_text": None,
+    }
 
 
 def test_other_blocks_and_bad_blocks() -> None:
@@ -128,18 +134,47 @@ def test_another_threads_other_blocks_wait_for_the_open_context() -> None:
         thread.join(10)
     assert seen == [[FEW_ROW_BLOCK], [SENTENCE_BLOCK]]
     assert TABLE[KERNEL] is before
-    assert template_blocks._STATE == {"depth": 0, "before": None, "blocks": None}
+    assert template_blocks._STATE == {
+        "depth": 0,
+        "before": None,
+        "blocks": None,
+        "kernel_text": None,
+    }
+
+
+def test_prefetch_adds_one_line_to_the_kernel_text_and_restores_it() -> None:
+    """``prefetch``: the float32 micro-kernel's template text has the next panel's prefetch
+    after its weight load within, and is restored after; another setting of ``prefetch``
+    inside the same thread's context is refused like other blocks; a kernel text other than
+    torch 2.13's is left alone."""
+    kernel = cast(Any, KERNEL)
+    text = kernel.TEMPLATE_KERNEL
+    with few_row_blocks((SENTENCE_BLOCK,), prefetch=True) as replaced:
+        assert replaced
+        load, line = template_blocks._LOAD, template_blocks._PREFETCH
+        patched = kernel.TEMPLATE_KERNEL
+        assert patched == text.replace(load, load + line)
+        other = few_row_blocks((SENTENCE_BLOCK,))
+        with pytest.raises(RuntimeError, match="prefetch=False"), other:
+            pass
+    assert kernel.TEMPLATE_KERNEL is text
+    with few_row_blocks((SENTENCE_BLOCK,)):
+        assert kernel.TEMPLATE_KERNEL is text
+    assert template_blocks._prefetching(text.replace(template_blocks._LOAD, "")) is None
+    assert template_blocks._prefetching(None) is None
 
 
 @pytest.mark.parametrize(
-    ("block", "kernel"), [(FEW_ROW_BLOCK, "<8, 8,"), (SENTENCE_BLOCK, "<6, 16,")]
+    ("block", "prefetch", "kernel"),
+    [(FEW_ROW_BLOCK, False, "<8, 8,"), (SENTENCE_BLOCK, True, "<6, 16,")],
 )
 def test_a_frozen_template_product_compiled_within_runs_its_blocks(
-    block: tuple[int, int, int], kernel: str
+    block: tuple[int, int, int], prefetch: bool, kernel: str
 ) -> None:
     """For real (AVX2 vectors, forced on a wider CPU with ``cpp.simdlen``): a frozen
     ``Linear`` on 8 rows through the template alone, compiled within, runs the kernel of the
-    block asked for where inductor ranks 4x24 first, and equals the eager product."""
+    block asked for where inductor ranks 4x24 first, prefetches the next panel where asked
+    (only there), and equals the eager product."""
     configs = {
         "freezing": True,
         "max_autotune_gemm": True,
@@ -154,10 +189,11 @@ def test_a_frozen_template_product_compiled_within_runs_its_blocks(
     layer = torch.nn.Linear(64, 48).eval()
     x = torch.randn(8, 64)  # [8, 64]
     torch._dynamo.reset()
-    with torch.no_grad(), torch._inductor.config.patch(configs), few_row_blocks((block,)):
+    with torch.no_grad(), torch._inductor.config.patch(configs), few_row_blocks((block,), prefetch):
         got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)  # [8, 48]
         want = layer(x)  # [8, 48]
     code = "\n".join(codes)
     assert f"micro_gemm_kernel{kernel}" in code
+    assert ("(B + (K + k) * ldb), _MM_HINT_T1)" in code) is prefetch
     assert "micro_gemm_kernel<4, 24," not in code
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

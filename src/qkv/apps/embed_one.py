@@ -388,7 +388,8 @@ class OneSentenceProgram:
             example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
-            blocks = few_row_blocks((SENTENCE_BLOCK,)) if frozen else contextlib.nullcontext()
+            few_rows = few_row_blocks((SENTENCE_BLOCK,), prefetch=True)
+            blocks = few_rows if frozen else contextlib.nullcontext()
             with tempfile.TemporaryDirectory() as tmp, blocks:
                 path = torch._inductor.aoti_compile_and_package(
                     program,

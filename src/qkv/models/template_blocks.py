@@ -69,10 +69,23 @@ SENTENCE_BLOCK = (6, 16, 1)
 two vectors, twelve accumulators, the register block of BLIS's AVX2 float32 kernel. On a 2-core
 Zen 3 EPYC it beat 8x8 at every row count from 5 to 32 but 8 (see the module docstring)."""
 
+_LOAD = "            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
+"""The line of inductor's float32 vector micro-kernel (``CppMicroGemmFP32Vec.TEMPLATE_KERNEL``)
+that loads a vector of the weight panel at step ``k`` (full panels, float32 weights)."""
+
+_PREFETCH = (
+    "            if constexpr (col == 0) {\n"
+    "                _mm_prefetch(reinterpret_cast<const char*>(B + (K + k) * ldb), _MM_HINT_T1);\n"
+    "            }\n"
+)
+"""What :func:`few_row_blocks` adds after :data:`_LOAD` with ``prefetch``: at each step ``k``,
+one cache line (``ldb`` = 16 floats) of the panel that follows this one, into L2."""
+
 _FREE = threading.Condition()
-_STATE: dict[str, object] = {"depth": 0, "before": None, "blocks": None}
+_STATE: dict[str, object] = {"depth": 0, "before": None, "blocks": None, "kernel_text": None}
 """How many :func:`few_row_blocks` contexts are open (in any thread), the table's list of
-blocks before the first of them replaced it, and the blocks they put there."""
+blocks before the first of them replaced it, the blocks (and whether they prefetch) they put
+there, and the micro-kernel's template text before a prefetching context replaced it."""
 
 _OWN = threading.local()
 """``depth``: how many of the open contexts are this thread's."""
@@ -110,7 +123,15 @@ def _is_float_avx2(config: object, avx2: type) -> bool:
     return getattr(config, "vec_isa_cls", None) is avx2 and dtypes == [torch.float] * 3
 
 
-def _enter(found: Table, blocks: tuple[Block, ...]) -> bool:
+def _prefetching(text: object) -> str | None:
+    """The micro-kernel template ``text`` with :data:`_PREFETCH` after its weight load, or
+    ``None`` where the text is not as torch 2.13 writes it (then nothing is prefetched)."""
+    if not isinstance(text, str) or text.count(_LOAD) != 1 or "_mm_prefetch" not in text:
+        return None
+    return text.replace(_LOAD, _LOAD + _PREFETCH)
+
+
+def _enter(found: Table, blocks: tuple[Block, ...], prefetch: bool) -> bool:
     """Replace the table's float32 AVX2 blocks with ``blocks`` (the first context to open
     does; one asking for other blocks than the open contexts' waits until they have closed);
     whether they are replaced.
@@ -121,20 +142,26 @@ def _enter(found: Table, blocks: tuple[Block, ...]) -> bool:
     """
     table, kernel, avx2, make = found
     own = getattr(_OWN, "depth", 0)
+    setting = (blocks, prefetch)
     with _FREE:
-        if _STATE["depth"] and _STATE["blocks"] != blocks and own:
+        if _STATE["depth"] and _STATE["blocks"] != setting and own:
             raise RuntimeError(
-                f"few_row_blocks({list(blocks)}) inside a context of this thread with "
-                f"{_STATE['blocks']}: the table holds one set of blocks at a time"
+                f"few_row_blocks({list(blocks)}, prefetch={prefetch}) inside a context of this "
+                f"thread with {_STATE['blocks']}: the table holds one set of blocks at a time"
             )
-        _FREE.wait_for(lambda: _STATE["depth"] == 0 or _STATE["blocks"] == blocks)
+        _FREE.wait_for(lambda: _STATE["depth"] == 0 or _STATE["blocks"] == setting)
         if _STATE["depth"] == 0:
             before = table[kernel]
             kept = [c for c in before if not _is_float_avx2(c, avx2)]
             if len(kept) == len(before):
                 return False
-            _STATE["before"], _STATE["blocks"] = before, blocks
+            _STATE["before"], _STATE["blocks"] = before, setting
             table[kernel] = kept + list(make(avx2, list(blocks), input_dtype=torch.float))
+            text = getattr(kernel, "TEMPLATE_KERNEL", None)
+            patched = _prefetching(text) if prefetch else None
+            if patched is not None:
+                _STATE["kernel_text"] = text
+                cast(Any, kernel).TEMPLATE_KERNEL = patched
         _STATE["depth"] = cast(int, _STATE["depth"]) + 1
         _OWN.depth = own + 1
         return True
@@ -148,18 +175,29 @@ def _leave(found: Table) -> None:
         _OWN.depth -= 1
         if depth == 0:
             table[kernel] = cast(list[Any], _STATE["before"])
-            _STATE["before"] = _STATE["blocks"] = None
+            if _STATE["kernel_text"] is not None:
+                cast(Any, kernel).TEMPLATE_KERNEL = _STATE["kernel_text"]
+            _STATE["before"] = _STATE["blocks"] = _STATE["kernel_text"] = None
             _FREE.notify_all()
 
 
 @contextlib.contextmanager
-def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[bool]:
+def few_row_blocks(
+    blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,), prefetch: bool = False
+) -> Iterator[bool]:
     """Within: inductor's C++ GEMM template multiplies float32 on AVX2 in register blocks of
     :data:`FEW_ROW_BLOCK` only (see the module docstring), or of ``blocks`` (inductor ranks
     them when it compiles a product; ``benchmarks/products.py`` compares them). The table is
     restored when the last open context ends. Other dtypes and other vector widths (AVX-512)
     keep their blocks. A product compiled within keeps its block after the context ends; one
     compiled outside is unchanged.
+
+    With ``prefetch``, the float32 micro-kernel also prefetches into L2, a cache line at each
+    step along K, the weight panel that follows the one it multiplies (``B + K * ldb``: the
+    next ``Nr`` columns where the template's K block is the whole of K; any other address is
+    only a wasted prefetch, never a wrong result). The next panel then streams from memory
+    while this one is multiplied, where without it the first row block of each panel waits for
+    memory and the others compute with the memory idle.
 
     The table is the process's: another thread compiling a float32 AVX2 product while a context
     is open gets the same blocks. Contexts with the same ``blocks`` may nest and overlap across
@@ -168,6 +206,8 @@ def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[boo
 
     Args:
         blocks: register blocks ``(rows, columns, 1)``, columns a positive multiple of 8.
+        prefetch: prefetch the next weight panel (where the kernel's text is as torch 2.13
+            writes it; otherwise the blocks alone are replaced).
 
     Yields:
         Whether the blocks are replaced (False where inductor's table is not where this module
@@ -175,7 +215,8 @@ def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[boo
 
     Raises:
         ValueError: no blocks, or a block that is not ``(rows >= 1, 8 * n, 1)``.
-        RuntimeError: other ``blocks`` than those of a context this thread holds open.
+        RuntimeError: other ``blocks`` or ``prefetch`` than those of a context this thread
+            holds open.
     """
     bad = [b for b in blocks if len(b) != 3 or b[0] < 1 or b[1] < 8 or b[1] % 8 or b[2] != 1]
     if not blocks or bad:
@@ -183,7 +224,7 @@ def few_row_blocks(blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,)) -> Iterator[boo
             f"blocks must be (rows >= 1, columns a multiple of 8, 1) tuples, got {list(blocks)}"
         )
     found = _table()
-    entered = found is not None and _enter(found, tuple(blocks))
+    entered = found is not None and _enter(found, tuple(blocks), prefetch)
     try:
         yield entered
     finally:
