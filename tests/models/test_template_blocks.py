@@ -18,6 +18,8 @@ _found = template_blocks._table()  # imports inductor's modules in an order that
 assert _found is not None, "torch 2.13 keeps the table where template_blocks looks"
 TABLE, KERNEL, AVX2, _ = _found
 cpp_micro_gemm = sys.modules["torch._inductor.codegen.cpp_micro_gemm"]
+CLOSED = {"depth": 0, "before": None, "blocks": None, "kernel_text": None}
+"""The module's state with no context open."""
 
 
 def _float_avx2_blocks() -> list[tuple[int, int, int]]:
@@ -74,12 +76,7 @@ def test_changes_nothing_where_the_table_is_not_as_expected(
     with few_row_blocks() as replaced:
         assert not replaced
     assert cpp_micro_gemm.micro_gemm_configs == {KERNEL: []}
-    assert template_blocks._STATE == {
-        "depth": 0,
-        "before": None,
-        "blocks": None,
-        "kernel_text": None,
-    }
+    assert template_blocks._STATE == CLOSED
 
 
 def test_other_blocks_and_bad_blocks() -> None:
@@ -134,12 +131,7 @@ def test_another_threads_other_blocks_wait_for_the_open_context() -> None:
         thread.join(10)
     assert seen == [[FEW_ROW_BLOCK], [SENTENCE_BLOCK]]
     assert TABLE[KERNEL] is before
-    assert template_blocks._STATE == {
-        "depth": 0,
-        "before": None,
-        "blocks": None,
-        "kernel_text": None,
-    }
+    assert template_blocks._STATE == CLOSED
 
 
 def test_prefetch_adds_one_line_to_the_kernel_text_and_restores_it() -> None:
