@@ -57,9 +57,7 @@ and 66.7 -> 70.4 (1 thread), the Llama-style model 135.6 -> 143.1 (2 threads); i
 ~12 s longer. And inductor's template multiplies there in 8x8 register blocks
 (:func:`~qkv.models.template_blocks.few_row_blocks`) instead of its own choice for 8 rows,
 4x24, which streams each weight panel from memory at one 4-row block's pace; and prefetches
-the next weight panel into L2 while it multiplies one (on a Zen 3 EPYC, GPT-2 small at B=8, 2
-threads, a median of 7 generations, a process each, in two pairs: 133.7 against 128.2 and
-170.3 against 157.3 tokens/s).
+the next panel into L2 (Zen 3, GPT-2 small, B=8, 2 threads: 1.04x and 1.08x the tokens/s).
 
 Either way this costs one more copy of the weights in memory. A copy must not outlive the
 weights it copies: each is kept with a fingerprint of the model's tensors (storage address and
