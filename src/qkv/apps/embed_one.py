@@ -19,7 +19,9 @@ timed while compiling, of oneDNN's and inductor's C++ GEMM template
 rows (:func:`~qkv.models.template_blocks.few_row_blocks`): first 8x8 (on a Zen 1 EPYC the 24
 products took 3.48 / 5.53 / 9.46 ms at 5 / 12 / 22 rows against 4.46 / 8.23 / 13.85 in its own
 4x24), now 6x16 (:data:`~qkv.models.template_blocks.SENTENCE_BLOCK`: on a Zen 3 EPYC 3.33 /
-4.79 / 7.23 ms against 3.76 / 5.02 / 7.94 in 8x8).
+4.79 / 7.23 ms against 3.76 / 5.02 / 7.94 in 8x8), each kernel prefetching the next weight
+panel while it multiplies one (``prefetch=True``; 2.15 / 3.43 / 5.43 ms against 2.83 / 4.10 /
+6.11 without, the same Zen 3 in another run).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
 (Zen 4), the 24 products of a 5-token sentence took 1.62 ms packed for oneDNN against 3.79 ms
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
