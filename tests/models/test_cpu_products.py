@@ -217,7 +217,8 @@ def test_inductor_with_the_lean_pass_calls_blas_without_copies() -> None:
     [
         ("AVX2", False, True),
         ("AVX2", True, False),
-        ("AVX512", False, False),
+        ("AVX512", False, True),
+        ("AVX512", True, False),
         ("DEFAULT", False, False),
     ],
 )
@@ -225,27 +226,34 @@ def test_frozen_configs(
     monkeypatch: pytest.MonkeyPatch, capability: str, mkl: bool, timed: bool
 ) -> None:
     """A frozen program always freezes; only one that does not multiply through MKL, on an AVX2
-    CPU, times oneDNN's products against inductor's C++ GEMM template."""
+    or AVX-512 CPU, times oneDNN's products against inductor's C++ GEMM template, on AVX-512
+    vectorized with AVX2 (where ``few_row_blocks`` sets the template's blocks)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     configs = cpu_products.frozen_configs(mkl=mkl)
     if timed:
+        narrower = {"cpp.simdlen": 256} if capability == "AVX512" else {}
         assert configs == {
             "freezing": True,
             "max_autotune_gemm": True,
             "max_autotune_gemm_backends": "ATEN,CPP",
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
+            **narrower,
         }
     else:
         assert configs == {"freezing": True}
 
 
-def test_a_frozen_timed_product_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_a_frozen_timed_product_equals_eager(
+    monkeypatch: pytest.MonkeyPatch, capability: str
+) -> None:
     """The settings of :func:`~qkv.models.cpu_products.frozen_configs` compile for real, timing
-    included (made to apply on any CPU): one frozen ``Linear`` of 8 rows, a product oneDNN takes
-    on its packed weight or inductor's C++ GEMM template, whichever timed faster here, equals
-    the eager one. (The decoders' tests freeze without the timing, ~5 s a product shape.)"""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    included (made to apply on any CPU; AVX-512's are AVX2 vectors, which any x86 CPU with
+    AVX2 runs): one frozen ``Linear`` of 8 rows, a product oneDNN takes on its packed weight or
+    inductor's C++ GEMM template, whichever timed faster here, equals the eager one. (The
+    decoders' tests freeze without the timing, ~5 s a product shape.)"""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     configs = cpu_products.frozen_configs(mkl=False)
     assert configs["max_autotune_gemm"] is True
     torch.manual_seed(0)

@@ -89,22 +89,29 @@ def frozen_configs(*, mkl: bool) -> dict[str, object]:
     B > 1 decoding step, the one-sentence embedding program): freezing, which packs each
     weight for MKL (a static row count) or oneDNN (a symbolic one); and, where the program
     does not multiply through MKL (``mkl`` False: the caller's :func:`mkl_reads_fast`) on a CPU
-    whose widest vectors are AVX2 (``torch.backends.cpu.get_cpu_capability()``), max-autotune
-    of each matrix product between oneDNN's (``ATEN``) and inductor's own C++ GEMM template
-    (``CPP``), both timed on this CPU while compiling.
+    with AVX2 or AVX-512 (``torch.backends.cpu.get_cpu_capability()``), max-autotune of each
+    matrix product between oneDNN's (``ATEN``) and inductor's own C++ GEMM template (``CPP``),
+    both timed on this CPU while compiling. On AVX-512 the program is vectorized with AVX2's
+    256-bit vectors (``cpp.simdlen``), where the template's register blocks are those that
+    :func:`~qkv.models.template_blocks.few_row_blocks` sets and its prefetch applies.
 
     On a 2-core AMD EPYC with AVX2 only (Zen 3), 2 threads, the template was the faster for
     every shape timed: all-MiniLM-L6-v2's 24 products at 5 rows 2.3-2.5 ms against 4.3-4.9 ms
     packed for oneDNN; GPT-2 small's 49 products at 8 rows (a symbolic row count) 34.1-36.5 ms
-    against 45.6-46.9 ms. With AVX-512 (a Zen 4 EPYC) oneDNN had been the faster at 5 rows
-    (1.62 against 2.33 ms), so there freezing alone is kept. The timing costs ~5 s of compiling
-    per product shape (the timings are not printed).
+    against 45.6-46.9 ms. On a 2-core Zen 4 EPYC (AVX-512), the same 24 products at 5 / 12 / 22
+    rows (``benchmarks/products.py``, one run): oneDNN 1.78 / 2.31 / 3.13 ms, the template in
+    its own AVX-512 blocks 1.69 / 3.24 / 5.63, in 6x16 AVX2 blocks with the prefetch 0.95 /
+    1.51 / 2.92 (ONNX Runtime 1.56 / 1.98 / 3.06). The timing costs ~5 s of compiling per
+    product shape (the timings are not printed).
     """
     configs: dict[str, object] = {"freezing": True}
-    if not mkl and torch.backends.cpu.get_cpu_capability() == "AVX2":
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not mkl and capability in ("AVX2", "AVX512"):
         configs |= {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,CPP"}
         # silent: inductor writes each shape's timings to stderr unless told not to
         configs |= {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    if not mkl and capability == "AVX512":
+        configs["cpp.simdlen"] = 256
     return configs
 
 

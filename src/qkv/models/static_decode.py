@@ -43,9 +43,9 @@ on an AMD EPYC 18.7 GB/s at one row, 8 GB/s prepacked at eight), so off Intel th
 are row-major and inductor computes each one-row product itself, as a vectorized reduction
 (:class:`~qkv.models.cpu_products.ProductsAsReductions`, 29.4 GB/s), and the B > 1 step is
 traced with a symbolic batch size, for which freezing packs the weights for oneDNN instead
-(27.7 GB/s; one graph then serves every batch size above 1). On a CPU whose widest vectors are
-AVX2, inductor also times oneDNN's product against its own C++ GEMM template for each weight
-shape while compiling and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
+(27.7 GB/s; one graph then serves every batch size above 1). With AVX2 or AVX-512 (AVX2
+vectors there) inductor also times oneDNN's product against its C++ GEMM template per shape
+while compiling and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
 GPT-2 small's 49 products at 8 rows took 34.1-36.5 ms through the template against 45.6-46.9
 ms through oneDNN on a Zen 3 EPYC, 2 threads). The prompt, which runs eagerly, multiplies
 through oneDNN there too when torch runs more than one thread
