@@ -18,7 +18,9 @@ Each program is compiled once at ``--hint`` rows with a symbolic row count, as t
 embedding program is, and checked against the eager module. Contestants take turns, each turn
 after 0.15 s of untimed calls (so that another runtime's spinning threads are quiet), then 5
 timed calls; a median over ``--repeats`` turns. The register blocks only apply where inductor
-vectorizes with AVX2 (elsewhere they all run the table of that CPU's vectors).
+vectorizes with AVX2 (elsewhere they all run the table of that CPU's vectors); ``--simdlen
+256`` vectorizes the template's programs with AVX2 on an AVX-512 CPU, as the frozen programs
+of :func:`qkv.models.cpu_products.frozen_configs` are there.
 
     python benchmarks/products.py [--rows 5,8,12,16,22] [--blocks 8x8,6x16,6x16+p] [--quick]
 """
@@ -119,6 +121,8 @@ def contestants(model: Products, args: argparse.Namespace) -> dict[str, Run]:
         "max_autotune_gemm_backends": "CPP",
         **quiet,
     }
+    if args.simdlen:
+        template["cpp.simdlen"] = args.simdlen
     runs: dict[str, Run] = {}
     session = onnx_runtime(model, x, torch.get_num_threads())
     if session is not None:
@@ -144,6 +148,10 @@ def main() -> None:
     parser.add_argument("--hint", type=int, default=12, help="rows the programs compile at")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--simdlen", type=int, default=0,
+        help="the template's vector bits (256: AVX2 on an AVX-512 CPU); 0: the widest",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="1 layer, 5 rows, 8x8, 2 repeats")
     args = parser.parse_args()
     layers = 6
