@@ -100,9 +100,9 @@ def frozen_configs(*, mkl: bool) -> dict[str, object]:
     packed for oneDNN; GPT-2 small's 49 products at 8 rows (a symbolic row count) 34.1-36.5 ms
     against 45.6-46.9 ms. On a 2-core Zen 4 EPYC (AVX-512), the same 24 products at 5 / 12 / 22
     rows (``benchmarks/products.py``, one run): oneDNN 1.78 / 2.31 / 3.13 ms, the template in
-    its own AVX-512 blocks 1.69 / 3.24 / 5.63, in 6x16 AVX2 blocks with the prefetch 0.95 /
-    1.51 / 2.92 (ONNX Runtime 1.56 / 1.98 / 3.06). The timing costs ~5 s of compiling per
-    product shape (the timings are not printed).
+    6x16 AVX2 blocks with the prefetch 0.95 / 1.51 / 2.92 (ONNX Runtime 1.56 / 1.98 / 3.06); in
+    another run the template's own AVX-512 blocks took 1.55 / 3.38 / 6.25 (oneDNN 1.72 / 2.45 /
+    3.37). The timing costs ~5 s of compiling per product shape (the timings are not printed).
     """
     configs: dict[str, object] = {"freezing": True}
     capability = torch.backends.cpu.get_cpu_capability()
