@@ -213,25 +213,28 @@ def test_inductor_with_the_lean_pass_calls_blas_without_copies() -> None:
 
 
 @pytest.mark.parametrize(
-    ("capability", "mkl", "timed"),
+    ("capability", "mkl", "wide", "timed"),
     [
-        ("AVX2", False, True),
-        ("AVX2", True, False),
-        ("AVX512", False, True),
-        ("AVX512", True, False),
-        ("DEFAULT", False, False),
+        ("AVX2", False, False, True),
+        ("AVX2", False, True, True),
+        ("AVX2", True, False, False),
+        ("AVX512", False, False, True),
+        ("AVX512", False, True, True),
+        ("AVX512", True, False, False),
+        ("DEFAULT", False, False, False),
     ],
 )
 def test_frozen_configs(
-    monkeypatch: pytest.MonkeyPatch, capability: str, mkl: bool, timed: bool
+    monkeypatch: pytest.MonkeyPatch, capability: str, mkl: bool, wide: bool, timed: bool
 ) -> None:
     """A frozen program always freezes; only one that does not multiply through MKL, on an AVX2
     or AVX-512 CPU, times oneDNN's products against inductor's C++ GEMM template, on AVX-512
-    vectorized with AVX2 (where ``few_row_blocks`` sets the template's blocks)."""
+    vectorized with AVX2 (where ``few_row_blocks`` sets the template's blocks) unless the
+    caller keeps the wide vectors."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    configs = cpu_products.frozen_configs(mkl=mkl)
+    configs = cpu_products.frozen_configs(mkl=mkl, wide_vectors=wide)
     if timed:
-        narrower = {"cpp.simdlen": 256} if capability == "AVX512" else {}
+        narrower = {"cpp.simdlen": 256} if capability == "AVX512" and not wide else {}
         assert configs == {
             "freezing": True,
             "max_autotune_gemm": True,

@@ -12,20 +12,25 @@ from torch._inductor import cpu_vec_isa
 from torch._inductor.utils import run_and_get_code
 
 from qkv.models import template_blocks
-from qkv.models.template_blocks import FEW_ROW_BLOCK, SENTENCE_BLOCK, few_row_blocks
+from qkv.models.template_blocks import (
+    FEW_ROW_BLOCK,
+    SENTENCE_BLOCK,
+    WIDE_SENTENCE_BLOCK,
+    few_row_blocks,
+)
 
 _found = template_blocks._table()  # imports inductor's modules in an order that works
 assert _found is not None, "torch 2.13 keeps the table where template_blocks looks"
-TABLE, KERNEL, AVX2, _ = _found
+TABLE, KERNEL, AVX2, AVX512, _ = _found
 cpp_micro_gemm = sys.modules["torch._inductor.codegen.cpp_micro_gemm"]
 CLOSED = {"depth": 0, "before": None, "blocks": None, "kernel_text": None}
 """The module's state with no context open."""
 
 
-def _float_avx2_blocks() -> list[tuple[int, int, int]]:
-    """The register blocks of the float32 AVX2 kernels in inductor's table now."""
+def _float_avx2_blocks(isa: type = AVX2) -> list[tuple[int, int, int]]:
+    """The register blocks of the float32 AVX2 (or ``isa``) kernels in inductor's table now."""
     blocks = TABLE[KERNEL]
-    return [c.register_blocking for c in blocks if template_blocks._is_float_avx2(c, AVX2)]
+    return [c.register_blocking for c in blocks if template_blocks._is_float(c, isa)]
 
 
 def test_the_table_has_one_block_within_and_is_restored() -> None:
@@ -33,7 +38,7 @@ def test_the_table_has_one_block_within_and_is_restored() -> None:
     was; nested and overlapping contexts (another thread's) restore the table when the last
     ends, an exception included."""
     before = TABLE[KERNEL]
-    others = [c for c in before if not template_blocks._is_float_avx2(c, AVX2)]
+    others = [c for c in before if not template_blocks._is_float(c, AVX2)]
     assert (4, 24, 1) in _float_avx2_blocks()  # torch 2.13's own choice for 8, 12, 16 rows
     with few_row_blocks() as replaced:
         assert replaced
@@ -97,7 +102,36 @@ def test_other_blocks_and_bad_blocks() -> None:
     for bad in [(), ((8, 12, 1),), ((0, 8, 1),), ((8, 8, 2),), ((8, 8),)]:
         with pytest.raises(ValueError, match="multiple of 8"), few_row_blocks(bad):  # type: ignore[arg-type]
             pass
+    for wide in [(), ((8, 8, 1),), ((8, 24, 1),), ((0, 16, 1),)]:
+        with pytest.raises(ValueError, match="multiple of 16"), few_row_blocks(wide=wide):
+            pass
     assert TABLE[KERNEL] is before
+
+
+def test_wide_blocks_replace_the_avx512_ones_too() -> None:
+    """``wide``: the float32 AVX-512 blocks are those within, the AVX2 ones ``blocks``, every
+    other kernel kept; without ``wide`` the AVX-512 blocks stay torch's; another ``wide``
+    inside the same thread's context is refused; the table is restored after."""
+    before = TABLE[KERNEL]
+    own_wide = _float_avx2_blocks(AVX512)
+    assert (8, 48, 1) in own_wide  # torch 2.13's own
+    others = [
+        c
+        for c in before
+        if not template_blocks._is_float(c, AVX2) and not template_blocks._is_float(c, AVX512)
+    ]
+    with few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_SENTENCE_BLOCK,)) as replaced:
+        assert replaced
+        assert _float_avx2_blocks(AVX512) == [WIDE_SENTENCE_BLOCK]
+        assert _float_avx2_blocks() == [SENTENCE_BLOCK]
+        assert [c for c in TABLE[KERNEL] if c in others] == others
+        other = few_row_blocks((SENTENCE_BLOCK,), True)
+        with pytest.raises(RuntimeError, match="wide=None"), other:
+            pass
+    assert TABLE[KERNEL] is before
+    with few_row_blocks((SENTENCE_BLOCK,)):
+        assert _float_avx2_blocks(AVX512) == own_wide
+    assert TABLE[KERNEL] is before and template_blocks._STATE == CLOSED
 
 
 def test_another_threads_other_blocks_wait_for_the_open_context() -> None:
@@ -157,35 +191,45 @@ def test_prefetch_adds_one_line_to_the_kernel_text_and_restores_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("block", "prefetch", "kernel"),
-    [(FEW_ROW_BLOCK, False, "<8, 8,"), (SENTENCE_BLOCK, True, "<6, 16,")],
+    ("block", "wide", "prefetch", "bits", "kernel", "own"),
+    [
+        (FEW_ROW_BLOCK, None, False, 256, "<8, 8,", "<4, 24,"),
+        (SENTENCE_BLOCK, None, True, 256, "<6, 16,", "<4, 24,"),
+        (SENTENCE_BLOCK, WIDE_SENTENCE_BLOCK, True, 512, "<8, 16,", "<8, 48,"),
+    ],
 )
 def test_a_frozen_template_product_compiled_within_runs_its_blocks(
-    block: tuple[int, int, int], prefetch: bool, kernel: str
+    block: tuple[int, int, int],
+    wide: tuple[int, int, int] | None,
+    prefetch: bool,
+    bits: int,
+    kernel: str,
+    own: str,
 ) -> None:
-    """For real (AVX2 vectors, forced on a wider CPU with ``cpp.simdlen``): a frozen
-    ``Linear`` on 8 rows through the template alone, compiled within, runs the kernel of the
-    block asked for where inductor ranks 4x24 first, prefetches the next panel where asked
-    (only there), and equals the eager product."""
+    """For real (AVX2 vectors, forced on a wider CPU with ``cpp.simdlen``; AVX-512 vectors
+    where the CPU has them): a frozen ``Linear`` on 8 rows through the template alone, compiled
+    within, runs the kernel of the block asked for where inductor ranks another (``own``)
+    first, prefetches the next panel where asked (only there), and equals the eager product."""
     configs = {
         "freezing": True,
         "max_autotune_gemm": True,
         "max_autotune_gemm_backends": "CPP",
         "autotune_num_choices_displayed": 0,
-        "cpp.simdlen": 256,
+        "cpp.simdlen": bits,
     }
     with torch._inductor.config.patch(configs):
-        if not isinstance(cpu_vec_isa.pick_vec_isa(), AVX2):
-            pytest.skip("this CPU has no AVX2")
+        if not isinstance(cpu_vec_isa.pick_vec_isa(), AVX2 if bits == 256 else AVX512):
+            pytest.skip(f"this CPU has no {bits}-bit vectors")
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48).eval()
     x = torch.randn(8, 64)  # [8, 64]
     torch._dynamo.reset()
-    with torch.no_grad(), torch._inductor.config.patch(configs), few_row_blocks((block,), prefetch):
+    blocks = few_row_blocks((block,), prefetch, None if wide is None else (wide,))
+    with torch.no_grad(), torch._inductor.config.patch(configs), blocks:
         got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)  # [8, 48]
         want = layer(x)  # [8, 48]
     code = "\n".join(codes)
     assert f"micro_gemm_kernel{kernel}" in code
-    assert ("(B + (K + k) * ldb), _MM_HINT_T1)" in code) is prefetch
-    assert "micro_gemm_kernel<4, 24," not in code
+    assert ("(B + (K + k) * ldb + col * VLEN)," in code) is prefetch
+    assert f"micro_gemm_kernel{own}" not in code
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -13,14 +13,14 @@ the biases added apart from the matrix products (below); ONNX Runtime 1.37-1.54 
 
 Off Intel CPUs the first program is **frozen**: the weights of the first call are its
 constants, inductor's freezing packs every matrix for oneDNN's product (a ``[N]`` token count
-is dynamic, so freezing picks oneDNN over MKL), and on AVX2 and AVX-512 CPUs (the program
-vectorized with AVX2 on the latter) each product runs the faster, timed while compiling, of
-oneDNN's and inductor's C++ GEMM template
+is dynamic, so freezing picks oneDNN over MKL), and on AVX2 and AVX-512 CPUs each product
+runs the faster, timed while compiling, of oneDNN's and inductor's C++ GEMM template
 (:func:`~qkv.models.cpu_products.frozen_configs`), the template in register blocks for few
 rows (:func:`~qkv.models.template_blocks.few_row_blocks`): first 8x8 (on a Zen 1 EPYC the 24
 products took 3.48 / 5.53 / 9.46 ms at 5 / 12 / 22 rows against 4.46 / 8.23 / 13.85 in its own
 4x24), now 6x16 (:data:`~qkv.models.template_blocks.SENTENCE_BLOCK`: on a Zen 3 EPYC 3.33 /
-4.79 / 7.23 ms against 3.76 / 5.02 / 7.94 in 8x8), each kernel prefetching the next weight
+4.79 / 7.23 ms against 3.76 / 5.02 / 7.94 in 8x8; on AVX-512 8x16,
+:data:`~qkv.models.template_blocks.WIDE_SENTENCE_BLOCK`), each kernel prefetching the next weight
 panel while it multiplies one (``prefetch=True``; 2.15 / 3.43 / 5.43 ms against 2.83 / 4.10 /
 6.11 without, the same Zen 3 in another run).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
@@ -28,10 +28,10 @@ A few rows then read each weight about once at memory speed: on a 2-core AMD EPY
 through MKL on column-major weights (ONNX Runtime's MatMuls: 1.54 ms), and the whole sentence
 1.76-1.98 ms frozen, 4.0-5.5 ms with weights as inputs, ONNX Runtime 2.09-2.22 ms, side by
 side; on one with AVX2 only (Zen 3) oneDNN took 4.3-4.9 ms and the template 2.3-2.5 ms. On
-that Zen 4 the template in 6x16 AVX2 blocks with the prefetch took 0.95 ms (oneDNN 1.78, ONNX
-Runtime 1.56 in that run), and 5-, 12- and 22-token sentences 1.09 / 2.36 / 3.76 ms against
-ONNX Runtime's 1.72 / 2.46 / 3.83, where oneDNN alone had given 2.13 / 2.99 / 4.10 (ONNX
-Runtime 1.97 / 3.02 / 4.20 in that run).
+that Zen 4, 5-, 12- and 22-token sentences took 2.13 / 2.99 / 4.10 ms through oneDNN alone
+against ONNX Runtime's 1.97 / 3.02 / 4.20, and 1.60 / 2.84 / 4.41 in the template's 8x16
+blocks with the prefetch against 2.44 / 3.16 / 5.12 (two runs, the machine slower in the
+second).
 Those timings depend on the row count, so there short sentences (under :data:`LONG_TOKENS`
 tokens) and long ones run two frozen programs, each timed at a length of its own. A frozen
 program cannot follow new weights (runtime constant folding does not keep the unpacked ones),
@@ -58,11 +58,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import operator
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -78,7 +77,7 @@ from qkv.apps.embed_one_function import (
 )
 from qkv.models.bert import BertEncoder
 from qkv.models.cpu_products import frozen_configs, mkl_reads_fast
-from qkv.models.template_blocks import SENTENCE_BLOCK, few_row_blocks
+from qkv.models.template_blocks import SENTENCE_BLOCK, WIDE_SENTENCE_BLOCK, few_row_blocks
 from qkv.models.unpadded import runs_unpadded
 
 __all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
@@ -139,33 +138,6 @@ def _example(t: Tensor, n: int | None) -> Tensor:
     if n is None or n == t.shape[1]:
         return t
     return t[:, torch.arange(n, device=t.device) % t.shape[1]].contiguous()  # [1, n]
-
-
-class _NarrowerVectors(logging.Filter):
-    """Drops torch's warning, on loading a package, that the package was compiled for AVX2
-    where this CPU has AVX-512: the frozen programs are vectorized with AVX2 on purpose there
-    (``cpp.simdlen`` 256, :func:`~qkv.models.cpu_products.frozen_configs`), and a CPU with
-    AVX-512 runs AVX2 code. Any other record passes."""
-
-    LOGGER = "torch.export.pt2_archive._package"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """False for the one warning this filter drops."""
-        args = record.args if isinstance(record.args, tuple) else ()
-        narrower = len(args) == 3 and args[0] == "AOTI_CPU_ISA" and args[2] == "AVX2"
-        mismatch = str(record.msg).startswith("Device information mismatch")
-        return not (mismatch and narrower and "AVX512" in str(args[1]))
-
-
-@contextlib.contextmanager
-def _quiet_narrower_vectors() -> Iterator[None]:
-    """Within: :class:`_NarrowerVectors` filters torch's package loader's log."""
-    logger, quiet = logging.getLogger(_NarrowerVectors.LOGGER), _NarrowerVectors()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
 
 
 def _freezes(sources: list[Tensor]) -> bool:
@@ -423,16 +395,15 @@ class OneSentenceProgram:
             example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
-            few_rows = few_row_blocks((SENTENCE_BLOCK,), prefetch=True)
+            few_rows = few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_SENTENCE_BLOCK,))
             blocks = few_rows if frozen else contextlib.nullcontext()
             with tempfile.TemporaryDirectory() as tmp, blocks:
                 path = torch._inductor.aoti_compile_and_package(
                     program,
                     package_path=str(Path(tmp) / "embed_one.pt2"),
-                    inductor_configs=frozen_configs(mkl=False) if frozen else {},
+                    inductor_configs=frozen_configs(mkl=False, wide_vectors=True) if frozen else {},
                 )
-                with _quiet_narrower_vectors():
-                    loaded = torch._inductor.aoti_load_package(path)
+                loaded = torch._inductor.aoti_load_package(path)
         self.compiled += 1
         self.compile_seconds += time.perf_counter() - start
         run: Callable[[list[Tensor]], list[Tensor]] = loaded.loader.boxed_run

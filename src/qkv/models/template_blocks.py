@@ -57,7 +57,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["FEW_ROW_BLOCK", "SENTENCE_BLOCK", "Block", "few_row_blocks"]
+__all__ = ["FEW_ROW_BLOCK", "SENTENCE_BLOCK", "WIDE_SENTENCE_BLOCK", "Block", "few_row_blocks"]
 
 FEW_ROW_BLOCK = (8, 8, 1)
 """Rows, columns and K-step of the only float32 AVX2 register block :func:`few_row_blocks`
@@ -69,17 +69,29 @@ SENTENCE_BLOCK = (6, 16, 1)
 two vectors, twelve accumulators, the register block of BLIS's AVX2 float32 kernel. On a 2-core
 Zen 3 EPYC it beat 8x8 at every row count from 5 to 32 but 8 (see the module docstring)."""
 
+WIDE_SENTENCE_BLOCK = (8, 16, 1)
+"""The AVX-512 block of the one-sentence embedding programs: eight rows of one 16-float vector.
+On a 2-core Zen 4 EPYC, all-MiniLM-L6-v2's 24 products with the prefetch (one process, in
+turns, compiled at 16 rows), ms at 5 / 12 / 22 / 32 rows: 8x16 0.92 / 1.59 / 2.73 / 3.60, 6x32
+1.06 / 1.82 / 3.29 / 4.01, 8x32 1.10 / 3.73 / 5.56 / 9.07, AVX2's 6x16 (the program on AVX2
+vectors) 1.16 / 1.94 / 3.35 / 4.13, ONNX Runtime 1.70 / 2.47 / 3.28 / 4.43."""
+
 _LOAD = "            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
 """The line of inductor's float32 vector micro-kernel (``CppMicroGemmFP32Vec.TEMPLATE_KERNEL``)
 that loads a vector of the weight panel at step ``k`` (full panels, float32 weights)."""
 
 _PREFETCH = (
-    "            if constexpr (col == 0) {\n"
-    "                _mm_prefetch(reinterpret_cast<const char*>(B + (K + k) * ldb), _MM_HINT_T1);\n"
+    "            if constexpr ((col * VLEN) % 16 == 0) {\n"
+    "                _mm_prefetch(reinterpret_cast<const char*>(B + (K + k) * ldb + col * VLEN),\n"
+    "                             _MM_HINT_T1);\n"
     "            }\n"
 )
 """What :func:`few_row_blocks` adds after :data:`_LOAD` with ``prefetch``: at each step ``k``,
-one cache line (``ldb`` = 16 floats) of the panel that follows this one, into L2."""
+the cache lines (16 floats each) of the same row of the panel that follows this one, into L2
+(one line for an AVX2 block of 8 or 16 columns or an AVX-512 block of 16). On a Zen 4 EPYC a
+prefetch into L1 (``_MM_HINT_T0``) or of the panel after next was slower: the 24 products at
+5 / 12 / 22 rows took 1.48 / 2.17 / 3.55 and 1.03 / 2.08 / 3.52 ms against 1.02 / 1.87 / 3.42
+(6x16, one process)."""
 
 _FREE = threading.Condition()
 _STATE: dict[str, object] = {"depth": 0, "before": None, "blocks": None, "kernel_text": None}
@@ -91,11 +103,16 @@ _OWN = threading.local()
 """``depth``: how many of the open contexts are this thread's."""
 
 Block = tuple[int, int, int]
-"""A register block: rows, columns (a multiple of 8, AVX2's float32 vector) and K-step."""
+"""A register block: rows, columns (a multiple of the vector's floats: 8 on AVX2, 16 on AVX-512)
+and K-step."""
 
-Table = tuple[dict[type, list[Any]], type, type, Callable[..., list[Any]]]
+Table = tuple[dict[type, list[Any]], type, type, type, Callable[..., list[Any]]]
 """Inductor's table of micro-kernel blocks, its float32 vector kernel class (the table's key),
-its ``VecAVX2`` class and its ``generate_gemm_config``."""
+its ``VecAVX2`` and ``VecAVX512`` classes and its ``generate_gemm_config``."""
+
+Setting = tuple[tuple[Block, ...], tuple[Block, ...] | None, bool]
+"""What a context puts in the table: AVX2 blocks, AVX-512 blocks (``None``: torch's own),
+whether the kernel prefetches."""
 
 
 def _table() -> Table | None:
@@ -110,17 +127,18 @@ def _table() -> Table | None:
     table = getattr(cpp_micro_gemm, "micro_gemm_configs", None)
     kernel = getattr(cpp_micro_gemm, "CppMicroGemmFP32Vec", None)
     avx2 = getattr(cpp_micro_gemm, "VecAVX2", None)
+    avx512 = getattr(cpp_micro_gemm, "VecAVX512", None)
     make = getattr(cpp_micro_gemm, "generate_gemm_config", None)
-    if not isinstance(table, dict) or kernel not in table or avx2 is None or make is None:
+    if not isinstance(table, dict) or kernel not in table or None in (avx2, avx512, make):
         return None
-    return cast(Table, (table, kernel, avx2, make))
+    return cast(Table, (table, kernel, avx2, avx512, make))
 
 
-def _is_float_avx2(config: object, avx2: type) -> bool:
-    """Whether ``config`` is a float32-in, float32-out AVX2 block (one ``few_row_blocks``
-    replaces)."""
+def _is_float(config: object, isa: type) -> bool:
+    """Whether ``config`` is a float32-in, float32-out block of the vector ISA class ``isa``
+    (one ``few_row_blocks`` may replace)."""
     dtypes = [getattr(config, f, None) for f in ("input_dtype", "input2_dtype", "output_dtype")]
-    return getattr(config, "vec_isa_cls", None) is avx2 and dtypes == [torch.float] * 3
+    return getattr(config, "vec_isa_cls", None) is isa and dtypes == [torch.float] * 3
 
 
 def _prefetching(text: object) -> str | None:
@@ -131,34 +149,48 @@ def _prefetching(text: object) -> str | None:
     return text.replace(_LOAD, _LOAD + _PREFETCH)
 
 
-def _enter(found: Table, blocks: tuple[Block, ...], prefetch: bool) -> bool:
-    """Replace the table's float32 AVX2 blocks with ``blocks`` (the first context to open
-    does; one asking for other blocks than the open contexts' waits until they have closed);
-    whether they are replaced.
+def _replaced(found: Table, setting: Setting) -> list[Any] | None:
+    """The table's float32 kernel list with the blocks of ``setting``, or ``None`` where the
+    table has no float32 AVX2 block to replace."""
+    table, kernel, avx2, avx512, make = found
+    blocks, wide, _ = setting
+    before = table[kernel]
+    kept = [c for c in before if not _is_float(c, avx2)]
+    if len(kept) == len(before):
+        return None
+    if wide is not None:
+        kept = [c for c in kept if not _is_float(c, avx512)]
+        kept += make(avx512, list(wide), input_dtype=torch.float)
+    return kept + list(make(avx2, list(blocks), input_dtype=torch.float))
+
+
+def _enter(found: Table, setting: Setting) -> bool:
+    """Put ``setting`` in the table (the first context to open does; one asking for another
+    setting than the open contexts' waits until they have closed); whether it is there.
 
     Raises:
-        RuntimeError: other ``blocks`` than those of a context this thread holds open (waiting
-            for it would never end).
+        RuntimeError: another ``setting`` than that of a context this thread holds open
+            (waiting for it would never end).
     """
-    table, kernel, avx2, make = found
+    table, kernel = found[0], found[1]
     own = getattr(_OWN, "depth", 0)
-    setting = (blocks, prefetch)
     with _FREE:
         if _STATE["depth"] and _STATE["blocks"] != setting and own:
+            blocks, wide, prefetch = setting
             raise RuntimeError(
-                f"few_row_blocks({list(blocks)}, prefetch={prefetch}) inside a context of this "
-                f"thread with {_STATE['blocks']}: the table holds one set of blocks at a time"
+                f"few_row_blocks({list(blocks)}, prefetch={prefetch}, wide={wide}) inside a "
+                f"context of this thread with {_STATE['blocks']}: the table holds one set of "
+                "blocks at a time"
             )
         _FREE.wait_for(lambda: _STATE["depth"] == 0 or _STATE["blocks"] == setting)
         if _STATE["depth"] == 0:
-            before = table[kernel]
-            kept = [c for c in before if not _is_float_avx2(c, avx2)]
-            if len(kept) == len(before):
+            replaced = _replaced(found, setting)
+            if replaced is None:
                 return False
-            _STATE["before"], _STATE["blocks"] = before, setting
-            table[kernel] = kept + list(make(avx2, list(blocks), input_dtype=torch.float))
+            _STATE["before"], _STATE["blocks"] = table[kernel], setting
+            table[kernel] = replaced
             text = getattr(kernel, "TEMPLATE_KERNEL", None)
-            patched = _prefetching(text) if prefetch else None
+            patched = _prefetching(text) if setting[2] else None
             if patched is not None:
                 _STATE["kernel_text"] = text
                 cast(Any, kernel).TEMPLATE_KERNEL = patched
@@ -169,7 +201,7 @@ def _enter(found: Table, blocks: tuple[Block, ...], prefetch: bool) -> bool:
 
 def _leave(found: Table) -> None:
     """Close a context that :func:`_enter` opened (the last one restores the table)."""
-    table, kernel, _, _ = found
+    table, kernel = found[0], found[1]
     with _FREE:
         _STATE["depth"] = depth = cast(int, _STATE["depth"]) - 1
         _OWN.depth -= 1
@@ -181,16 +213,26 @@ def _leave(found: Table) -> None:
             _FREE.notify_all()
 
 
+def _bad(blocks: tuple[Block, ...], floats: int) -> list[Block]:
+    """The blocks of ``blocks`` that are not ``(rows >= 1, floats * n, 1)``."""
+    return [
+        b for b in blocks if len(b) != 3 or b[0] < 1 or b[1] < floats or b[1] % floats or b[2] != 1
+    ]
+
+
 @contextlib.contextmanager
 def few_row_blocks(
-    blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,), prefetch: bool = False
+    blocks: tuple[Block, ...] = (FEW_ROW_BLOCK,),
+    prefetch: bool = False,
+    wide: tuple[Block, ...] | None = None,
 ) -> Iterator[bool]:
     """Within: inductor's C++ GEMM template multiplies float32 on AVX2 in register blocks of
     :data:`FEW_ROW_BLOCK` only (see the module docstring), or of ``blocks`` (inductor ranks
-    them when it compiles a product; ``benchmarks/products.py`` compares them). The table is
-    restored when the last open context ends. Other dtypes and other vector widths (AVX-512)
-    keep their blocks. A product compiled within keeps its block after the context ends; one
-    compiled outside is unchanged.
+    them when it compiles a product; ``benchmarks/products.py`` compares them), and on AVX-512
+    in blocks of ``wide`` where given (:data:`WIDE_SENTENCE_BLOCK`; ``None`` keeps torch's own).
+    The table is restored when the last open context ends. Other dtypes keep their blocks. A
+    product compiled within keeps its block after the context ends; one compiled outside is
+    unchanged.
 
     With ``prefetch``, the float32 micro-kernel also prefetches into L2, a cache line at each
     step along K, the weight panel that follows the one it multiplies (``B + K * ldb``: the
@@ -199,32 +241,35 @@ def few_row_blocks(
     while this one is multiplied, where without it the first row block of each panel waits for
     memory and the others compute with the memory idle.
 
-    The table is the process's: another thread compiling a float32 AVX2 product while a context
-    is open gets the same blocks. Contexts with the same ``blocks`` may nest and overlap across
-    threads; a context asking for other blocks waits until every open one (another thread's)
-    has closed.
+    The table is the process's: another thread compiling a float32 product while a context is
+    open gets the same blocks. Contexts with the same setting may nest and overlap across
+    threads; a context asking for another setting waits until every open one (another
+    thread's) has closed.
 
     Args:
-        blocks: register blocks ``(rows, columns, 1)``, columns a positive multiple of 8.
+        blocks: AVX2 register blocks ``(rows, columns, 1)``, columns a positive multiple of 8.
         prefetch: prefetch the next weight panel (where the kernel's text is as torch 2.13
             writes it; otherwise the blocks alone are replaced).
+        wide: AVX-512 register blocks, columns a positive multiple of 16; ``None``: torch's.
 
     Yields:
         Whether the blocks are replaced (False where inductor's table is not where this module
         expects it, or has no float32 AVX2 block).
 
     Raises:
-        ValueError: no blocks, or a block that is not ``(rows >= 1, 8 * n, 1)``.
-        RuntimeError: other ``blocks`` or ``prefetch`` than those of a context this thread
-            holds open.
+        ValueError: no blocks, or a block that is not ``(rows >= 1, 8 * n, 1)`` (``wide``:
+            ``16 * n``).
+        RuntimeError: other ``blocks``, ``prefetch`` or ``wide`` than those of a context this
+            thread holds open.
     """
-    bad = [b for b in blocks if len(b) != 3 or b[0] < 1 or b[1] < 8 or b[1] % 8 or b[2] != 1]
-    if not blocks or bad:
+    if not blocks or wide == () or _bad(blocks, 8) or _bad(wide or (), 16):
         raise ValueError(
-            f"blocks must be (rows >= 1, columns a multiple of 8, 1) tuples, got {list(blocks)}"
+            "blocks must be (rows >= 1, columns a multiple of 8, 1) tuples and wide ones "
+            f"(rows >= 1, columns a multiple of 16, 1), got {list(blocks)} and wide={wide}"
         )
     found = _table()
-    entered = found is not None and _enter(found, tuple(blocks), prefetch)
+    setting = (tuple(blocks), None if wide is None else tuple(wide), prefetch)
+    entered = found is not None and _enter(found, setting)
     try:
         yield entered
     finally:
