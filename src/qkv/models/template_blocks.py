@@ -1,4 +1,4 @@
-"""The register block of inductor's C++ GEMM template on AVX2 for products on few rows.
+"""The register block of inductor's C++ GEMM template (AVX2, AVX-512) for products on few rows.
 
 Inductor's C++ GEMM template computes ``X @ W`` in register blocks of ``Mr`` rows and ``Nr``
 columns: each block runs a small kernel along all of K that keeps ``Mr * Nr / 8`` vectors of
@@ -41,10 +41,15 @@ the same machine, 64 tokens at B=8, 2 threads, GPT-2 small went from 112.1 to 13
 and a 12-layer Llama-style model from 146.1 to 160.9 (a median of 7 generations, a process
 each).
 
+On AVX-512 (torch's own float32 blocks 8x48, 8x32 and 16x16) the embedding programs compile
+in 8x16 blocks (:data:`WIDE_SENTENCE_BLOCK`, measured on a Zen 4 EPYC); the B > 1 decoding
+step there is compiled on AVX2 vectors (:func:`~qkv.models.cpu_products.frozen_configs`) in
+8x8 blocks.
+
 Which register block a product gets is not one of inductor's settings, so
-:func:`few_row_blocks` replaces the template's table of float32 AVX2 blocks while a program
-compiles. That table is inductor's private state: where it is not as this module expects (a
-later torch), the context changes nothing.
+:func:`few_row_blocks` replaces the template's table of float32 AVX2 (and AVX-512) blocks
+while a program compiles. That table is inductor's private state: where it is not as this
+module expects (a later torch), the context changes nothing.
 """
 
 from __future__ import annotations
