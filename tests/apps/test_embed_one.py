@@ -205,9 +205,7 @@ def test_which_program_runs(policy: str, monkeypatch: pytest.MonkeyPatch) -> Non
         pytest.skip("this torch has no MKL")
     monkeypatch.setenv("QKV_CPU_PRODUCTS", policy.split(",")[0])
     timed = {"max_autotune_gemm": True} if "timed" in policy else {}
-    monkeypatch.setattr(
-        embed_one, "frozen_configs", lambda mkl, wide_vectors=False: {"freezing": True} | timed
-    )
+    monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl: {"freezing": True} | timed)
     model = make(seed=5)
     program = OneSentenceProgram(model)
     size = sum(t.numel() * t.element_size() for t in program._fingerprinted()[0])
@@ -244,7 +242,7 @@ def test_a_long_sentence_after_new_weights_reads_them(monkeypatch: pytest.Monkey
     the short one was: the call goes to the program that reads the weights."""
     monkeypatch.setenv("QKV_CPU_PRODUCTS", "inductor")
     configs = {"freezing": True, "max_autotune_gemm": True}
-    monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl, wide_vectors=False: configs)
+    monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl: configs)
     model = make(seed=6)
     program = OneSentenceProgram(model)
     compiled: list[tuple[bool, embed_one.Span | None]] = []
@@ -277,9 +275,7 @@ def test_the_compiled_program(monkeypatch: pytest.MonkeyPatch) -> None:
     # freezing alone: with oneDNN's products timed against the C++ GEMM template (an AVX2 CPU,
     # frozen_configs) this test took 74 s on a 2-core EPYC, 37-42 s without; the timed program
     # is checked by benchmarks/embed.py on all-MiniLM-L6-v2, within 1e-5 of the eager path
-    monkeypatch.setattr(
-        embed_one, "frozen_configs", lambda mkl, wide_vectors=False: {"freezing": True}
-    )
+    monkeypatch.setattr(embed_one, "frozen_configs", lambda mkl: {"freezing": True})
     model = make(seed=3)
     embedder = CompiledEmbedder(model)
     assert embedder._one is not None

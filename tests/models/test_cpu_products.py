@@ -213,35 +213,29 @@ def test_inductor_with_the_lean_pass_calls_blas_without_copies() -> None:
 
 
 @pytest.mark.parametrize(
-    ("capability", "mkl", "wide", "timed"),
+    ("capability", "mkl", "timed"),
     [
-        ("AVX2", False, False, True),
-        ("AVX2", False, True, True),
-        ("AVX2", True, False, False),
-        ("AVX512", False, False, True),
-        ("AVX512", False, True, True),
-        ("AVX512", True, False, False),
-        ("DEFAULT", False, False, False),
+        ("AVX2", False, True),
+        ("AVX2", True, False),
+        ("AVX512", False, True),
+        ("AVX512", True, False),
+        ("DEFAULT", False, False),
     ],
 )
 def test_frozen_configs(
-    monkeypatch: pytest.MonkeyPatch, capability: str, mkl: bool, wide: bool, timed: bool
+    monkeypatch: pytest.MonkeyPatch, capability: str, mkl: bool, timed: bool
 ) -> None:
     """A frozen program always freezes; only one that does not multiply through MKL, on an AVX2
-    or AVX-512 CPU, times oneDNN's products against inductor's C++ GEMM template, on AVX-512
-    vectorized with AVX2 (where ``few_row_blocks`` sets the template's blocks) unless the
-    caller keeps the wide vectors."""
+    or AVX-512 CPU, times oneDNN's products against inductor's C++ GEMM template."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    configs = cpu_products.frozen_configs(mkl=mkl, wide_vectors=wide)
+    configs = cpu_products.frozen_configs(mkl=mkl)
     if timed:
-        narrower = {"cpp.simdlen": 256} if capability == "AVX512" and not wide else {}
         assert configs == {
             "freezing": True,
             "max_autotune_gemm": True,
             "max_autotune_gemm_backends": "ATEN,CPP",
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
-            **narrower,
         }
     else:
         assert configs == {"freezing": True}
@@ -252,10 +246,10 @@ def test_a_frozen_timed_product_equals_eager(
     monkeypatch: pytest.MonkeyPatch, capability: str
 ) -> None:
     """The settings of :func:`~qkv.models.cpu_products.frozen_configs` compile for real, timing
-    included (made to apply on any CPU; AVX-512's are AVX2 vectors, which any x86 CPU with
-    AVX2 runs): one frozen ``Linear`` of 8 rows, a product oneDNN takes on its packed weight or
-    inductor's C++ GEMM template, whichever timed faster here, equals the eager one. (The
-    decoders' tests freeze without the timing, ~5 s a product shape.)"""
+    included (made to apply on any CPU): one frozen ``Linear`` of 8 rows, a product oneDNN
+    takes on its packed weight or inductor's C++ GEMM template, whichever timed faster here,
+    equals the eager one. (The decoders' tests freeze without the timing, ~5 s a product
+    shape.)"""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     configs = cpu_products.frozen_configs(mkl=False)
     assert configs["max_autotune_gemm"] is True

@@ -15,7 +15,7 @@ from qkv.models import template_blocks
 from qkv.models.template_blocks import (
     FEW_ROW_BLOCK,
     SENTENCE_BLOCK,
-    WIDE_SENTENCE_BLOCK,
+    WIDE_BLOCK,
     few_row_blocks,
 )
 
@@ -120,9 +120,9 @@ def test_wide_blocks_replace_the_avx512_ones_too() -> None:
         for c in before
         if not template_blocks._is_float(c, AVX2) and not template_blocks._is_float(c, AVX512)
     ]
-    with few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_SENTENCE_BLOCK,)) as replaced:
+    with few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_BLOCK,)) as replaced:
         assert replaced
-        assert _float_avx2_blocks(AVX512) == [WIDE_SENTENCE_BLOCK]
+        assert _float_avx2_blocks(AVX512) == [WIDE_BLOCK]
         assert _float_avx2_blocks() == [SENTENCE_BLOCK]
         assert [c for c in TABLE[KERNEL] if c in others] == others
         other = few_row_blocks((SENTENCE_BLOCK,), True)
@@ -195,7 +195,7 @@ def test_prefetch_adds_one_line_to_the_kernel_text_and_restores_it() -> None:
     [
         (FEW_ROW_BLOCK, None, False, 256, "<8, 8,", "<4, 24,"),
         (SENTENCE_BLOCK, None, True, 256, "<6, 16,", "<4, 24,"),
-        (SENTENCE_BLOCK, WIDE_SENTENCE_BLOCK, True, 512, "<8, 16,", "<8, 48,"),
+        (SENTENCE_BLOCK, WIDE_BLOCK, True, 512, "<8, 16,", "<8, 48,"),
     ],
 )
 def test_a_frozen_template_product_compiled_within_runs_its_blocks(

@@ -20,7 +20,7 @@ rows (:func:`~qkv.models.template_blocks.few_row_blocks`): first 8x8 (on a Zen 1
 products took 3.48 / 5.53 / 9.46 ms at 5 / 12 / 22 rows against 4.46 / 8.23 / 13.85 in its own
 4x24), now 6x16 (:data:`~qkv.models.template_blocks.SENTENCE_BLOCK`: on a Zen 3 EPYC 3.33 /
 4.79 / 7.23 ms against 3.76 / 5.02 / 7.94 in 8x8; on AVX-512 8x16,
-:data:`~qkv.models.template_blocks.WIDE_SENTENCE_BLOCK`), each kernel prefetching the next weight
+:data:`~qkv.models.template_blocks.WIDE_BLOCK`), each kernel prefetching the next weight
 panel while it multiplies one (``prefetch=True``; 2.15 / 3.43 / 5.43 ms against 2.83 / 4.10 /
 6.11 without, the same Zen 3 in another run).
 A few rows then read each weight about once at memory speed: on a 2-core AMD EPYC with AVX-512
@@ -77,7 +77,7 @@ from qkv.apps.embed_one_function import (
 )
 from qkv.models.bert import BertEncoder
 from qkv.models.cpu_products import frozen_configs, mkl_reads_fast
-from qkv.models.template_blocks import SENTENCE_BLOCK, WIDE_SENTENCE_BLOCK, few_row_blocks
+from qkv.models.template_blocks import SENTENCE_BLOCK, WIDE_BLOCK, few_row_blocks
 from qkv.models.unpadded import runs_unpadded
 
 __all__ = ["OnePlan", "OneSentenceProgram", "encode_one"]
@@ -395,13 +395,13 @@ class OneSentenceProgram:
             example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
-            few_rows = few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_SENTENCE_BLOCK,))
+            few_rows = few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_BLOCK,))
             blocks = few_rows if frozen else contextlib.nullcontext()
             with tempfile.TemporaryDirectory() as tmp, blocks:
                 path = torch._inductor.aoti_compile_and_package(
                     program,
                     package_path=str(Path(tmp) / "embed_one.pt2"),
-                    inductor_configs=frozen_configs(mkl=False, wide_vectors=True) if frozen else {},
+                    inductor_configs=frozen_configs(mkl=False) if frozen else {},
                 )
                 loaded = torch._inductor.aoti_load_package(path)
         self.compiled += 1

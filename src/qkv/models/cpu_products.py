@@ -84,32 +84,31 @@ def mkl_reads_fast() -> bool:
     return cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
 
 
-def frozen_configs(*, mkl: bool, wide_vectors: bool = False) -> dict[str, object]:
+def frozen_configs(*, mkl: bool) -> dict[str, object]:
     """Inductor's settings for a compiled CPU program whose weights are frozen into it (the
     B > 1 decoding step, the one-sentence embedding program): freezing, which packs each
     weight for MKL (a static row count) or oneDNN (a symbolic one); and, where the program
     does not multiply through MKL (``mkl`` False: the caller's :func:`mkl_reads_fast`) on a CPU
     with AVX2 or AVX-512 (``torch.backends.cpu.get_cpu_capability()``), max-autotune of each
     matrix product between oneDNN's (``ATEN``) and inductor's own C++ GEMM template (``CPP``),
-    both timed on this CPU while compiling. On AVX-512 the program is vectorized with AVX2's
-    256-bit vectors (``cpp.simdlen``) unless ``wide_vectors``: the caller sets the template's
-    AVX2 register blocks (:func:`~qkv.models.template_blocks.few_row_blocks`' ``blocks``; the
-    B > 1 decoding step) or also its AVX-512 ones (``wide``; the embedding programs).
+    both timed on this CPU while compiling (the callers compile within
+    :func:`~qkv.models.template_blocks.few_row_blocks`, which sets the template's register
+    blocks for few rows, AVX2's and AVX-512's).
 
     On a 2-core AMD EPYC with AVX2 only (Zen 3), 2 threads, the template was the faster for
     every shape timed: all-MiniLM-L6-v2's 24 products at 5 rows 2.3-2.5 ms against 4.3-4.9 ms
     packed for oneDNN; GPT-2 small's 49 products at 8 rows (a symbolic row count) 34.1-36.5 ms
     against 45.6-46.9 ms. On a 2-core Zen 4 EPYC (AVX-512), the same 24 products at 5 / 12 / 22
-    rows (``benchmarks/products.py``, one run): oneDNN 1.78 / 2.31 / 3.13 ms, the template in
-    6x16 AVX2 blocks with the prefetch 0.95 / 1.51 / 2.92 (ONNX Runtime 1.56 / 1.98 / 3.06). In
+    rows (``benchmarks/products.py``, one run): oneDNN 1.78 / 2.31 / 3.13 ms, the template on
+    AVX2 vectors in 6x16 blocks with the prefetch 0.95 / 1.51 / 2.92 (ONNX Runtime 1.56 / 1.98
+    / 3.06). In
     other runs: the template's own AVX-512 blocks 1.55 / 3.38 / 6.25 (oneDNN 1.72 / 2.45 /
     3.37); 8x16 AVX-512 blocks with the prefetch 0.92 / 1.59 / 2.73 against 1.16 / 1.94 / 3.35
-    in 6x16 AVX2 blocks (:data:`~qkv.models.template_blocks.WIDE_SENTENCE_BLOCK`). The timing
+    in 6x16 AVX2 blocks (:data:`~qkv.models.template_blocks.WIDE_BLOCK`). The timing
     costs ~5 s of compiling per product shape (the timings are not printed).
 
     Args:
         mkl: the program multiplies through MKL (no timing then).
-        wide_vectors: keep AVX-512 vectors on an AVX-512 CPU.
     """
     configs: dict[str, object] = {"freezing": True}
     capability = torch.backends.cpu.get_cpu_capability()
@@ -117,8 +116,6 @@ def frozen_configs(*, mkl: bool, wide_vectors: bool = False) -> dict[str, object
         configs |= {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,CPP"}
         # silent: inductor writes each shape's timings to stderr unless told not to
         configs |= {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
-    if not mkl and capability == "AVX512" and not wide_vectors:
-        configs["cpp.simdlen"] = 256
     return configs
 
 

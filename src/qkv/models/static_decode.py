@@ -43,9 +43,9 @@ on an AMD EPYC 18.7 GB/s at one row, 8 GB/s prepacked at eight), so off Intel th
 are row-major and inductor computes each one-row product itself, as a vectorized reduction
 (:class:`~qkv.models.cpu_products.ProductsAsReductions`, 29.4 GB/s), and the B > 1 step is
 traced with a symbolic batch size, for which freezing packs the weights for oneDNN instead
-(27.7 GB/s; one graph then serves every batch size above 1). With AVX2 or AVX-512 (AVX2
-vectors there) inductor also times oneDNN's product against its C++ GEMM template per shape
-while compiling and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
+(27.7 GB/s; one graph then serves every batch size above 1). With AVX2 or AVX-512, inductor
+also times oneDNN's product against its C++ GEMM template per weight shape while compiling
+and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
 GPT-2 small's 49 products at 8 rows took 34.1-36.5 ms through the template against 45.6-46.9
 ms through oneDNN on a Zen 3 EPYC, 2 threads). The prompt, which runs eagerly, multiplies
 through oneDNN there too when torch runs more than one thread
@@ -54,8 +54,8 @@ through MKL, same Zen 3, 2 threads). Off Intel the B > 1 step's wrapper is writt
 as well (``cpp_wrapper``): on a Zen 1 EPYC (AVX2, 2 cores), 64 tokens at B=8, a median of 7
 generations in one process each, tokens/s: GPT-2 small 104.0-105.0 -> 112.2-114.1 (2 threads)
 and 66.7 -> 70.4 (1 thread), the Llama-style model 135.6 -> 143.1 (2 threads); it compiles
-~12 s longer. And inductor's template multiplies there in 8x8 register blocks
-(:func:`~qkv.models.template_blocks.few_row_blocks`) instead of its own choice for 8 rows,
+~12 s longer. And inductor's template multiplies there in 8x8 register blocks (8x16 on AVX-512;
+:func:`~qkv.models.template_blocks.few_row_blocks`) instead of its own choice for 8 rows,
 4x24, which streams each weight panel from memory at one 4-row block's pace; and prefetches
 the next panel into L2 (Zen 3, GPT-2 small, B=8, 2 threads: 1.04x and 1.08x the tokens/s).
 
@@ -94,7 +94,7 @@ from qkv.models.cpu_products import (
 from qkv.models.direct_step import DirectCall, RecordingBackend
 from qkv.models.onednn_products import OneDnnProducts, onednn_products_fit
 from qkv.models.protocols import DecoderOnlyModel
-from qkv.models.template_blocks import few_row_blocks
+from qkv.models.template_blocks import WIDE_BLOCK, few_row_blocks
 from qkv.models.weight_copies import fused_qkv_weights, linear_weights
 from qkv.nn.static_kv_cache import StaticKVCache
 
@@ -150,13 +150,13 @@ def _frozen(step: Step) -> Step:
     with :func:`~qkv.models.cpu_products.frozen_configs` as they are when it is made; off
     MKL's fast path (:func:`~qkv.models.cpu_products.mkl_reads_fast`) its wrapper is written
     in C++ (``cpp_wrapper``, see the module docstring) and inductor's GEMM template multiplies
-    in 8x8 register blocks, prefetching the next weight panel
-    (:func:`~qkv.models.template_blocks.few_row_blocks`)."""
+    in 8x8 (AVX-512: 8x16) blocks, prefetching the next weight panel (``few_row_blocks``)."""
     mkl = mkl_reads_fast()
     configs = frozen_configs(mkl=mkl) | ({} if mkl else {"cpp_wrapper": True})
 
     def blocks() -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext() if mkl else few_row_blocks(prefetch=True)
+        few_rows = few_row_blocks(prefetch=True, wide=(WIDE_BLOCK,))
+        return contextlib.nullcontext() if mkl else few_rows
 
     def call(
         model: DecoderOnlyModel,

@@ -41,10 +41,8 @@ the same machine, 64 tokens at B=8, 2 threads, GPT-2 small went from 112.1 to 13
 and a 12-layer Llama-style model from 146.1 to 160.9 (a median of 7 generations, a process
 each).
 
-On AVX-512 (torch's own float32 blocks 8x48, 8x32 and 16x16) the embedding programs compile
-in 8x16 blocks (:data:`WIDE_SENTENCE_BLOCK`, measured on a Zen 4 EPYC); the B > 1 decoding
-step there is compiled on AVX2 vectors (:func:`~qkv.models.cpu_products.frozen_configs`) in
-8x8 blocks.
+On AVX-512 (torch's own float32 blocks 8x48, 8x32 and 16x16) both compile in 8x16 blocks
+(:data:`WIDE_BLOCK`, measured on a Zen 4 EPYC).
 
 Which register block a product gets is not one of inductor's settings, so
 :func:`few_row_blocks` replaces the template's table of float32 AVX2 (and AVX-512) blocks
@@ -62,7 +60,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["FEW_ROW_BLOCK", "SENTENCE_BLOCK", "WIDE_SENTENCE_BLOCK", "Block", "few_row_blocks"]
+__all__ = ["FEW_ROW_BLOCK", "SENTENCE_BLOCK", "WIDE_BLOCK", "Block", "few_row_blocks"]
 
 FEW_ROW_BLOCK = (8, 8, 1)
 """Rows, columns and K-step of the only float32 AVX2 register block :func:`few_row_blocks`
@@ -74,12 +72,15 @@ SENTENCE_BLOCK = (6, 16, 1)
 two vectors, twelve accumulators, the register block of BLIS's AVX2 float32 kernel. On a 2-core
 Zen 3 EPYC it beat 8x8 at every row count from 5 to 32 but 8 (see the module docstring)."""
 
-WIDE_SENTENCE_BLOCK = (8, 16, 1)
-"""The AVX-512 block of the one-sentence embedding programs: eight rows of one 16-float vector.
-On a 2-core Zen 4 EPYC, all-MiniLM-L6-v2's 24 products with the prefetch (one process, in
-turns, compiled at 16 rows), ms at 5 / 12 / 22 / 32 rows: 8x16 0.92 / 1.59 / 2.73 / 3.60, 6x32
-1.06 / 1.82 / 3.29 / 4.01, 8x32 1.10 / 3.73 / 5.56 / 9.07, AVX2's 6x16 (the program on AVX2
-vectors) 1.16 / 1.94 / 3.35 / 4.13, ONNX Runtime 1.70 / 2.47 / 3.28 / 4.43."""
+WIDE_BLOCK = (8, 16, 1)
+"""The AVX-512 block of the one-sentence embedding programs and the frozen B > 1 decoding step:
+eight rows of one 16-float vector. On a 2-core Zen 4 EPYC, all-MiniLM-L6-v2's 24 products
+with the prefetch (one process, in turns, compiled at 16 rows), ms at 5 / 12 / 22 / 32 rows:
+8x16 0.92 / 1.59 / 2.73 / 3.60, 6x32 1.06 / 1.82 / 3.29 / 4.01, 8x32 1.10 / 3.73 / 5.56 /
+9.07, AVX2's 6x16 (the program on AVX2 vectors) 1.16 / 1.94 / 3.35 / 4.13, ONNX Runtime 1.70 /
+2.47 / 3.28 / 4.43. 64 tokens at B=8, 2 threads, a process each, against the step on AVX2
+vectors in 8x8 blocks: GPT-2 small 365.7 against 310.5 tokens/s, the Llama-style model of
+``benchmarks/decode.py`` 478.2 against 405.7."""
 
 _LOAD = "            vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);\n"
 """The line of inductor's float32 vector micro-kernel (``CppMicroGemmFP32Vec.TEMPLATE_KERNEL``)
@@ -234,7 +235,7 @@ def few_row_blocks(
     """Within: inductor's C++ GEMM template multiplies float32 on AVX2 in register blocks of
     :data:`FEW_ROW_BLOCK` only (see the module docstring), or of ``blocks`` (inductor ranks
     them when it compiles a product; ``benchmarks/products.py`` compares them), and on AVX-512
-    in blocks of ``wide`` where given (:data:`WIDE_SENTENCE_BLOCK`; ``None`` keeps torch's own).
+    in blocks of ``wide`` where given (:data:`WIDE_BLOCK`; ``None`` keeps torch's own).
     The table is restored when the last open context ends. Other dtypes keep their blocks. A
     product compiled within keeps its block after the context ends; one compiled outside is
     unchanged.
