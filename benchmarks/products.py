@@ -17,17 +17,19 @@ caches, as in a real sentence): per layer ``x @ Wqkv`` ([384, 1152]), ``x @ Wo``
 Each program is compiled once at ``--hint`` rows with a symbolic row count, as the one-sentence
 embedding program is, and checked against the eager module. Contestants take turns, each turn
 after 0.15 s of untimed calls (so that another runtime's spinning threads are quiet), then 5
-timed calls; a median over ``--repeats`` turns. The register blocks only apply where inductor
-vectorizes with AVX2 (elsewhere they all run the table of that CPU's vectors); ``--simdlen
-256`` vectorizes the template's programs with AVX2 on an AVX-512 CPU, as the frozen programs
-of :func:`qkv.models.cpu_products.frozen_configs` are there.
+timed calls; a median over ``--repeats`` turns. A block ``RxC`` applies where inductor
+vectorizes with AVX2, ``wRxC`` where it vectorizes with AVX-512 (elsewhere each runs torch's
+own table for that CPU's vectors); ``--simdlen 256`` vectorizes the template's programs with
+AVX2 on an AVX-512 CPU, so that ``RxC`` blocks can be timed there.
 
     python benchmarks/products.py [--rows 5,8,12,16,22] [--blocks 8x8,6x16,6x16+p] [--quick]
+    python benchmarks/products.py --blocks w8x16+p,w6x32+p,own   # an AVX-512 CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -111,6 +113,15 @@ def parse_block(text: str) -> Block:
     return (rows, cols, 1)
 
 
+def block_context(text: str) -> contextlib.AbstractContextManager[bool]:
+    """The :func:`few_row_blocks` context of a ``--blocks`` item: ``RxC`` an AVX2 block,
+    ``wRxC`` an AVX-512 one (the AVX2 blocks then torch's own), ``+p`` with the prefetch."""
+    prefetch, spec = text.endswith("+p"), text.removesuffix("+p")
+    if spec.startswith("w"):
+        return few_row_blocks(prefetch=prefetch, wide=(parse_block(spec[1:]),))
+    return few_row_blocks((parse_block(spec),), prefetch)
+
+
 def contestants(model: Products, args: argparse.Namespace) -> dict[str, Run]:
     """Every contestant, compiled (and, where ONNX Runtime is installed, exported)."""
     x = torch.randn(args.hint, D)  # [M, D]
@@ -131,7 +142,7 @@ def contestants(model: Products, args: argparse.Namespace) -> dict[str, Run]:
         if text == "own":
             runs["template (own)"] = aoti(model, x, template)
             continue
-        with few_row_blocks((parse_block(text.removesuffix("+p")),), text.endswith("+p")):
+        with block_context(text):
             runs[f"template {text}"] = aoti(model, x, template)
     runs["oneDNN"] = aoti(model, x, {"freezing": True})
     return runs
@@ -142,8 +153,8 @@ def main() -> None:
     parser.add_argument("--rows", default="5,8,12,16,22", help="comma-separated row counts")
     parser.add_argument(
         "--blocks", default="8x8,6x16,6x16+p,own",
-        help="comma-separated register blocks RxC (C a multiple of 8; RxC+p: with the next "
-        "panel's prefetch), 'own' for torch's table",
+        help="comma-separated register blocks RxC (AVX2, C a multiple of 8), wRxC (AVX-512, C "
+        "a multiple of 16); +p: with the next panel's prefetch; 'own' for torch's table",
     )  # fmt: skip
     parser.add_argument("--hint", type=int, default=12, help="rows the programs compile at")
     parser.add_argument("--repeats", type=int, default=12)
