@@ -395,7 +395,7 @@ class OneSentenceProgram:
             example, dims = (ids, types, *weights), ({1: n}, {1: n}, (None,) * len(weights))
         with torch.no_grad():
             program = torch.export.export(module, example, dynamic_shapes=dims)
-            few_rows = few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_BLOCK,))
+            few_rows = few_row_blocks((SENTENCE_BLOCK,), prefetch=True, wide=(WIDE_BLOCK,))
             blocks = few_rows if frozen else contextlib.nullcontext()
             with tempfile.TemporaryDirectory() as tmp, blocks:
                 path = torch._inductor.aoti_compile_and_package(

@@ -41,8 +41,8 @@ the same machine, 64 tokens at B=8, 2 threads, GPT-2 small went from 112.1 to 13
 and a 12-layer Llama-style model from 146.1 to 160.9 (a median of 7 generations, a process
 each).
 
-On AVX-512 (torch's own float32 blocks 8x48, 8x32 and 16x16) both compile in 8x16 blocks
-(:data:`WIDE_BLOCK`, measured on a Zen 4 EPYC).
+On AVX-512 (torch's own float32 blocks 8x48, 8x32 and 16x16) the embedding programs and the
+B > 1 step both compile in 8x16 blocks (:data:`WIDE_BLOCK`, measured on a Zen 4 EPYC).
 
 Which register block a product gets is not one of inductor's settings, so
 :func:`few_row_blocks` replaces the template's table of float32 AVX2 (and AVX-512) blocks
