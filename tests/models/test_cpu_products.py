@@ -241,16 +241,12 @@ def test_frozen_configs(
         assert configs == {"freezing": True}
 
 
-@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
-def test_a_frozen_timed_product_equals_eager(
-    monkeypatch: pytest.MonkeyPatch, capability: str
-) -> None:
+def test_a_frozen_timed_product_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """The settings of :func:`~qkv.models.cpu_products.frozen_configs` compile for real, timing
-    included (made to apply on any CPU): one frozen ``Linear`` of 8 rows, a product oneDNN
-    takes on its packed weight or inductor's C++ GEMM template, whichever timed faster here,
-    equals the eager one. (The decoders' tests freeze without the timing, ~5 s a product
-    shape.)"""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    included (made to apply on any CPU): one frozen ``Linear`` of 8 rows, a product oneDNN takes
+    on its packed weight or inductor's C++ GEMM template, whichever timed faster here, equals
+    the eager one. (The decoders' tests freeze without the timing, ~5 s a product shape.)"""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     configs = cpu_products.frozen_configs(mkl=False)
     assert configs["max_autotune_gemm"] is True
     torch.manual_seed(0)

@@ -27,8 +27,9 @@ CLOSED = {"depth": 0, "before": None, "blocks": None, "kernel_text": None}
 """The module's state with no context open."""
 
 
-def _float_avx2_blocks(isa: type = AVX2) -> list[tuple[int, int, int]]:
-    """The register blocks of the float32 AVX2 (or ``isa``) kernels in inductor's table now."""
+def _float_blocks(isa: type = AVX2) -> list[tuple[int, int, int]]:
+    """The register blocks of the float32 kernels of vector ISA ``isa`` in inductor's table
+    now."""
     blocks = TABLE[KERNEL]
     return [c.register_blocking for c in blocks if template_blocks._is_float(c, isa)]
 
@@ -39,14 +40,14 @@ def test_the_table_has_one_block_within_and_is_restored() -> None:
     ends, an exception included."""
     before = TABLE[KERNEL]
     others = [c for c in before if not template_blocks._is_float(c, AVX2)]
-    assert (4, 24, 1) in _float_avx2_blocks()  # torch 2.13's own choice for 8, 12, 16 rows
+    assert (4, 24, 1) in _float_blocks()  # torch 2.13's own choice for 8, 12, 16 rows
     with few_row_blocks() as replaced:
         assert replaced
-        assert _float_avx2_blocks() == [FEW_ROW_BLOCK]
+        assert _float_blocks() == [FEW_ROW_BLOCK]
         assert [c for c in TABLE[KERNEL] if c in others] == others
         with few_row_blocks() as again:
             assert again
-        assert _float_avx2_blocks() == [FEW_ROW_BLOCK]  # the outer one is still open
+        assert _float_blocks() == [FEW_ROW_BLOCK]  # the outer one is still open
         inside: list[list[tuple[int, int, int]]] = []
         opened, release = threading.Event(), threading.Event()
 
@@ -54,12 +55,12 @@ def test_the_table_has_one_block_within_and_is_restored() -> None:
             with few_row_blocks():
                 opened.set()
                 release.wait(10)
-                inside.append(_float_avx2_blocks())
+                inside.append(_float_blocks())
 
         thread = threading.Thread(target=other)
         thread.start()
         opened.wait(10)
-    assert _float_avx2_blocks() == [FEW_ROW_BLOCK]  # the other thread's context is open
+    assert _float_blocks() == [FEW_ROW_BLOCK]  # the other thread's context is open
     release.set()
     thread.join(10)
     assert inside == [[FEW_ROW_BLOCK]]
@@ -90,14 +91,14 @@ def test_other_blocks_and_bad_blocks() -> None:
     it was."""
     before = TABLE[KERNEL]
     with few_row_blocks(((12, 8, 1), (4, 16, 1))):
-        assert _float_avx2_blocks() == [(12, 8, 1), (4, 16, 1)]
+        assert _float_blocks() == [(12, 8, 1), (4, 16, 1)]
         inside = r"inside a context of this thread.*\(12, 8, 1\)"
         with pytest.raises(RuntimeError, match=inside), few_row_blocks():
             pass
-        assert _float_avx2_blocks() == [(12, 8, 1), (4, 16, 1)]
+        assert _float_blocks() == [(12, 8, 1), (4, 16, 1)]
     assert TABLE[KERNEL] is before
     with few_row_blocks((SENTENCE_BLOCK,)):
-        assert _float_avx2_blocks() == [SENTENCE_BLOCK]
+        assert _float_blocks() == [SENTENCE_BLOCK]
     assert TABLE[KERNEL] is before
     for bad in [(), ((8, 12, 1),), ((0, 8, 1),), ((8, 8, 2),), ((8, 8),)]:
         with pytest.raises(ValueError, match="multiple of 8"), few_row_blocks(bad):  # type: ignore[arg-type]
@@ -113,7 +114,7 @@ def test_wide_blocks_replace_the_avx512_ones_too() -> None:
     other kernel kept; without ``wide`` the AVX-512 blocks stay torch's; another ``wide``
     inside the same thread's context is refused; the table is restored after."""
     before = TABLE[KERNEL]
-    own_wide = _float_avx2_blocks(AVX512)
+    own_wide = _float_blocks(AVX512)
     assert (8, 48, 1) in own_wide  # torch 2.13's own
     others = [
         c
@@ -122,15 +123,15 @@ def test_wide_blocks_replace_the_avx512_ones_too() -> None:
     ]
     with few_row_blocks((SENTENCE_BLOCK,), True, (WIDE_BLOCK,)) as replaced:
         assert replaced
-        assert _float_avx2_blocks(AVX512) == [WIDE_BLOCK]
-        assert _float_avx2_blocks() == [SENTENCE_BLOCK]
+        assert _float_blocks(AVX512) == [WIDE_BLOCK]
+        assert _float_blocks() == [SENTENCE_BLOCK]
         assert [c for c in TABLE[KERNEL] if c in others] == others
         other = few_row_blocks((SENTENCE_BLOCK,), True)
         with pytest.raises(RuntimeError, match="wide=None"), other:
             pass
     assert TABLE[KERNEL] is before
     with few_row_blocks((SENTENCE_BLOCK,)):
-        assert _float_avx2_blocks(AVX512) == own_wide
+        assert _float_blocks(AVX512) == own_wide
     assert TABLE[KERNEL] is before and template_blocks._STATE == CLOSED
 
 
@@ -145,13 +146,13 @@ def test_another_threads_other_blocks_wait_for_the_open_context() -> None:
         with few_row_blocks():
             opened.set()
             release.wait(10)
-            seen.append(_float_avx2_blocks())
+            seen.append(_float_blocks())
 
     def second() -> None:
         opened.wait(10)
         waiting.set()
         with few_row_blocks((SENTENCE_BLOCK,)):
-            seen.append(_float_avx2_blocks())
+            seen.append(_float_blocks())
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for thread in threads:
@@ -159,7 +160,7 @@ def test_another_threads_other_blocks_wait_for_the_open_context() -> None:
     waiting.wait(10)
     threads[1].join(0.3)
     assert threads[1].is_alive()  # waiting for the first context
-    assert seen == [] and _float_avx2_blocks() == [FEW_ROW_BLOCK]
+    assert seen == [] and _float_blocks() == [FEW_ROW_BLOCK]
     release.set()
     for thread in threads:
         thread.join(10)
