@@ -155,8 +155,9 @@ def _frozen(step: Step) -> Step:
     configs = frozen_configs(mkl=mkl) | ({} if mkl else {"cpp_wrapper": True})
 
     def blocks() -> contextlib.AbstractContextManager[object]:
-        few_rows = few_row_blocks(prefetch=True, wide=(WIDE_BLOCK,))
-        return contextlib.nullcontext() if mkl else few_rows
+        if mkl:
+            return contextlib.nullcontext()
+        return few_row_blocks(prefetch=True, wide=(WIDE_BLOCK,))
 
     def call(
         model: DecoderOnlyModel,
