@@ -14,23 +14,30 @@ tokens) in an ``InferenceSession`` with all graph optimizations and the same thr
 (:class:`~qkv.apps.embed_compiled.CompiledEmbedder`: one ``torch.compile`` graph from the packed
 real tokens to the pooled unit embeddings, so it also pools and normalizes, which the others
 do not); its compile time is printed once, and its embeddings are checked against the eager
-path's within 1e-5. ``--no-compile`` leaves it out.
+path's within 1e-5. ``--no-compile`` leaves it out. ``--products mkl inductor`` runs one
+``qkv (compiled)`` contestant per setting of ``QKV_CPU_PRODUCTS``
+(:data:`~qkv.models.cpu_products.ENV`, read when its one-sentence program compiles): at batch 1
+the program on MKL with the weights as inputs (``mkl``, the default on Intel CPUs) against the
+frozen one whose products are timed against inductor's C++ GEMM template (``inductor``, the
+default elsewhere), side by side; ``default`` is this CPU's own choice.
 
     python benchmarks/embed.py --batch 1 32 128 --repeats 15 --threads 2
     python benchmarks/embed.py --quick   # qkv auto (padded, unpadded, compiled), BertModel sdpa
     python benchmarks/embed.py --quick --batch 1 --words 3 10 20   # one sentence, 5 to 22 tokens
+    python benchmarks/embed.py --quick --batch 1 --words 3 10 20 --products mkl inductor
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only
@@ -44,6 +51,7 @@ from qkv.apps.pooling import l2_normalize, mean_pool
 from qkv.convert import load_bert
 from qkv.functional import BACKENDS
 from qkv.models.bert import BertEncoder
+from qkv.models.cpu_products import ENV
 
 TEXT = (
     "the quick brown fox jumps over a lazy dog while attention weights sum to one and "
@@ -86,6 +94,13 @@ def main() -> None:
     )
     parser.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out")
     parser.add_argument("--no-compile", action="store_true", help="leave qkv (compiled) out")
+    parser.add_argument(
+        "--products",
+        nargs="+",
+        choices=PRODUCTS,
+        default=["default"],
+        help=f"one qkv (compiled) contestant per {ENV} setting (default: this CPU's choice)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 7 if args.quick and "--repeats" not in sys.argv else args.repeats
@@ -100,11 +115,13 @@ def main() -> None:
         for impl in impls
     }
     session = None if args.no_onnx else onnx_session(embedder, refs["sdpa"], args.threads)
-    compiled = (
-        None
-        if args.no_compile
-        else compiled_embedder(models["auto"], embedder, args.batch, args.words)
-    )
+    compiled = {}
+    for products in [] if args.no_compile else dict.fromkeys(args.products):
+        name = "qkv (compiled)" if products == "default" else f"qkv (compiled, {products})"
+        with cpu_products(products):  # read while its programs compile, on the first calls
+            compiled[name] = compiled_embedder(
+                models["auto"], embedder, args.batch, args.words, name
+            )
     for words in args.words:
         for batch in args.batch:
             bench(
@@ -113,14 +130,40 @@ def main() -> None:
             )  # fmt: skip
 
 
+PRODUCTS = ("default", "mkl", "inductor")
+"""The ``--products`` settings: this CPU's own choice, or a value of ``QKV_CPU_PRODUCTS``."""
+
+
+@contextlib.contextmanager
+def cpu_products(setting: str) -> Iterator[None]:
+    """``QKV_CPU_PRODUCTS`` (:data:`~qkv.models.cpu_products.ENV`) set to ``setting`` within
+    the block (unset for ``"default"``), as it was after.
+
+    Raises:
+        ValueError: ``setting`` not one of :data:`PRODUCTS`.
+    """
+    if setting not in PRODUCTS:
+        raise ValueError(f"products must be one of {PRODUCTS}, got {setting!r}")
+    before = os.environ.pop(ENV, None)
+    if setting != "default":
+        os.environ[ENV] = setting
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV, None)
+        if before is not None:
+            os.environ[ENV] = before
+
+
 def compiled_embedder(
     model: BertEncoder,
     embedder: SentenceEmbedder,
     batches: list[int],
     lengths: list[int | None] | None = None,
+    name: str = "qkv (compiled)",
 ) -> CompiledEmbedder:
     """``model`` compiled for every batch size and sentence length of the run, its compile
-    time printed.
+    time printed under ``name``.
 
     Raises:
         AssertionError: its embeddings are not the eager unpadded path's within 1e-5.
@@ -135,7 +178,7 @@ def compiled_embedder(
             diff = float((got - want).abs().max())
             assert diff <= 1e-5, f"compiled embeddings differ by {diff:.2g} at {batch=} {words=}"
     print(
-        f"qkv (compiled): {compiled.graphs} graph(s) compiled in {compiled.compile_seconds:.1f} s "
+        f"{name}: {compiled.graphs} graph(s) compiled in {compiled.compile_seconds:.1f} s "
         f"(batches {batches}), embeddings within 1e-5 of the eager path"
     )
     return compiled
@@ -190,7 +233,7 @@ def bench(
     threads: int,
     quick: bool,
     session: Callable[[dict[str, object]], object] | None = None,
-    compiled: CompiledEmbedder | None = None,
+    compiled: dict[str, CompiledEmbedder] | None = None,
     block: int = 3,
     words: int | None = None,
 ) -> None:
@@ -213,8 +256,8 @@ def bench(
     runs: dict[str, Callable[[], object]] = {}
     auto = models["auto"]
     runs["qkv (auto, unpad)"] = lambda: auto(ids, attention_mask, type_ids, unpad=True)
-    if compiled is not None:
-        runs["qkv (compiled)"] = functools.partial(compiled, ids, attention_mask, type_ids)
+    for name, program in (compiled or {}).items():
+        runs[name] = functools.partial(program, ids, attention_mask, type_ids)
     for backend, model in models.items():
         if not quick or backend == "auto":
             runs[f"qkv ({backend})"] = functools.partial(model, ids, attention_mask, type_ids)
