@@ -98,15 +98,17 @@ def test_autograd_and_errors_are_left_to_torch() -> None:
         assert torch.equal(torch.add(x, 1.0), x + 1.0)
 
 
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
 @pytest.mark.parametrize(("mkl", "want"), [(True, False), (False, True)])
 def test_it_fits_where_mkl_does_not_read_fast(
-    monkeypatch: pytest.MonkeyPatch, mkl: bool, want: bool
+    monkeypatch: pytest.MonkeyPatch, mkl: bool, want: bool, capability: str
 ) -> None:
     monkeypatch.setattr(onednn_products, "mkl_reads_fast", lambda: mkl)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert onednn_products.onednn_products_fit() is want
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # (one thread: MKL as fast)
-    assert onednn_products.onednn_products_fit() is False
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: AVX-512 only
+    assert onednn_products.onednn_products_fit() is (want and capability == "AVX512")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert onednn_products.onednn_products_fit() is False

@@ -13,6 +13,14 @@ so it takes products with more than one thread. A 16-token prompt of GPT-2 small
 took 64.0 ms against 82.1 (the 12-layer Llama-style model of ``benchmarks/decode.py``: 65.5
 against 74.8), the greedy token the same, logits within 4e-6.
 
+On a CPU with AVX-512 it takes them on one thread too: on a 2-core Zen 4 EPYC (2026-12-08, 1
+thread, the compiled decoder's prompt on its row-major weights, MKL and oneDNN in turns, the
+median of 6-14), GPT-2 small's 16- and 512-token prompts took 88.9 / 1069 ms through oneDNN
+against 106.0 / 1176 through MKL, the Llama-style model's 66.6 / 993 against 71.8 / 1058, the
+greedy token the same, logits within 3.1e-6 (GPT-2's 48 layer products alone at 512 rows:
+861 ms against 1114). oneDNN runs its AVX-512 kernel there (``brg_matmul:avx512_core``),
+MKL on a CPU not Intel's its generic code.
+
 Products of more than 256 rows stayed with MKL at first, after the 512-row figure above. On
 another 2-core Zen 3 EPYC (2026-12-07, night; GPT-2 small's shapes, 12 layers of distinct
 weights, 2 threads, MKL and oneDNN in turns, the median of per-turn ratios) oneDNN took 0.70x
@@ -43,12 +51,17 @@ __all__ = ["OneDnnProducts", "onednn_products_fit"]
 def onednn_products_fit() -> bool:
     """Whether eager CPU products should go through oneDNN now: torch has oneDNN and the
     linear op, MKL does not read fast here (:func:`~qkv.models.cpu_products.mkl_reads_fast`:
-    not an Intel CPU, or ``QKV_CPU_PRODUCTS=inductor``) and torch runs more than one thread.
+    not an Intel CPU, or ``QKV_CPU_PRODUCTS=inductor``), and torch runs more than one thread
+    or the CPU has AVX-512 (``torch.backends.cpu.get_cpu_capability()``; see the module
+    docstring for both measurements).
 
     Raises:
         ValueError: ``QKV_CPU_PRODUCTS`` set to something else than ``mkl`` or ``inductor``.
     """
-    if torch.get_num_threads() < 2 or mkl_reads_fast() or not torch.backends.mkldnn.is_available():
+    if mkl_reads_fast() or not torch.backends.mkldnn.is_available():
+        return False
+    wide = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    if torch.get_num_threads() < 2 and not wide:
         return False
     return hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
