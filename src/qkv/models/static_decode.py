@@ -48,7 +48,7 @@ also times oneDNN's product against its C++ GEMM template per weight shape while
 and keeps the faster (:func:`~qkv.models.cpu_products.frozen_configs`:
 GPT-2 small's 49 products at 8 rows took 34.1-36.5 ms through the template against 45.6-46.9
 ms through oneDNN on a Zen 3 EPYC, 2 threads). The prompt, which runs eagerly, multiplies
-through oneDNN there too when torch runs more than one thread
+through oneDNN there too when torch runs more than one thread, or one on an AVX-512 CPU
 (:mod:`qkv.models.onednn_products`: GPT-2 small's 16-token prompt took 64 ms against 82
 through MKL, same Zen 3, 2 threads). Off Intel the B > 1 step's wrapper is written in C++
 as well (``cpp_wrapper``): on a Zen 1 EPYC (AVX2, 2 cores), 64 tokens at B=8, a median of 7
