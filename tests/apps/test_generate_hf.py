@@ -89,6 +89,21 @@ def test_generate_with_token_ids_matches_transformers(
     assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, expected))
 
 
+def test_threads_default_to_torchs_own_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Hugging Face directory decodes on torch's own thread count unless ``--threads`` is
+    given (a qkv checkpoint on one: ``test_generate_prints_output_and_speed``)."""
+    _save(_gpt2(), tmp_path, tokenizer=False)
+    torch.set_num_threads(2)  # (the conftest fixture restores the worker's count)
+    assert main(["generate", str(tmp_path), "7 30 2", "--max-new-tokens", "2"]) == 0
+    assert ", 2 threads)" in capsys.readouterr().out and torch.get_num_threads() == 2
+    assert (
+        main(["generate", str(tmp_path), "7 30 2", "--max-new-tokens", "2", "--threads", "1"]) == 0
+    )
+    assert ", 1 thread)" in capsys.readouterr().out and torch.get_num_threads() == 1
+
+
 def test_sampling_is_seeded(tmp_path: Path) -> None:
     _save(_llama(), tmp_path, tokenizer=False)
     model, _ = load_hf_decoder(tmp_path)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
+import torch
 
 from qkv.apps.cli import main
 from qkv.apps.viz import checkpoint_attention, plot_attention, save_figure
@@ -60,10 +61,12 @@ def test_train_prints_a_summary_and_writes_a_checkpoint(
 def test_generate_prints_output_and_speed(
     checkpoint: Path, beam: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    torch.set_num_threads(2)  # (the conftest fixture restores the worker's count)
     assert main(["generate", str(checkpoint), "abcd", "--beam", beam]) == 0
     output, speed = capsys.readouterr().out.strip().splitlines()
     assert set(output) <= set("abcdefghij") and len(output) <= 6
     assert "tokens/s" in speed and ("beam 3" in speed if beam == "3" else "greedy" in speed)
+    assert ", 1 thread)" in speed and torch.get_num_threads() == 1  # a qkv checkpoint's default
 
 
 def test_plot_writes_a_png_with_the_layer_by_head_grid(checkpoint: Path, tmp_path: Path) -> None:

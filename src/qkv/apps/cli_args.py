@@ -52,6 +52,14 @@ MAX_PLOT_POSITIONS = 100_000
 # faster on 1 thread than on 2 (tiny matmuls gain nothing from intra-op threads and lose to
 # their synchronisation). Scale out with torchrun processes instead.
 _THREADS_HELP = "torch CPU threads per process (1 is fastest for these small models)"
+# A Hugging Face checkpoint is another matter: decoding reads every weight once a token, and one
+# core reads memory slower than all of them. GPT-2 small through `qkv generate DIR --compile` on
+# the 2-core Zen 4 EPYC (2026-12-08, 64 tokens, three runs each in turns): 55 / 55 / 53 tokens/s
+# on 2 threads against 50 / 47 / 41 on 1 (eagerly 23-24 on both).
+_GENERATE_THREADS_HELP = (
+    "torch CPU threads per process (default: 1 for a qkv checkpoint, whose small models are "
+    "fastest on one; torch's own, one a core, for a Hugging Face directory)"
+)
 
 
 def _hidden_alias(p: argparse.ArgumentParser, flag: str, dest: str, **kwargs: object) -> None:
@@ -59,8 +67,8 @@ def _hidden_alias(p: argparse.ArgumentParser, flag: str, dest: str, **kwargs: ob
     p.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
 
 
-def _add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=positive, default=1, help=_THREADS_HELP)
+def _add_threads(p: argparse.ArgumentParser, default: int | None = 1, text: str = "") -> None:
+    p.add_argument("--threads", type=positive, default=default, help=text or _THREADS_HELP)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -281,7 +289,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="text models: do not stop before this many tokens",
     )
-    _add_threads(p)
+    _add_threads(p, default=None, text=_GENERATE_THREADS_HELP)  # None: by the checkpoint's kind
 
 
 def add_plot_arguments(p: argparse.ArgumentParser) -> None:

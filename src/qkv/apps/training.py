@@ -155,9 +155,12 @@ def _generate_hf(args: argparse.Namespace) -> Generation:
 def run_generate(args: argparse.Namespace) -> int:
     """``qkv generate``: print the decoded output and tokens/s (timed after one untimed warm-up
     decode, so the speed is the steady state rather than one-off first-call costs). The
-    checkpoint is a qkv checkpoint or a Hugging Face decoder directory (:func:`checkpoint_kind`)."""
-    torch.set_num_threads(args.threads)
+    checkpoint is a qkv checkpoint or a Hugging Face decoder directory (:func:`checkpoint_kind`).
+    Without ``--threads`` a qkv checkpoint decodes on one thread and a Hugging Face directory on
+    torch's own count (see ``cli_args``)."""
     hf = checkpoint_kind(args.checkpoint) == "hf"
+    if args.threads is not None or not hf:
+        torch.set_num_threads(1 if args.threads is None else args.threads)
     if hf:
         gen = _generate_hf(args)  # streamed as it came
     elif args.compile:
@@ -178,8 +181,9 @@ def run_generate(args: argparse.Namespace) -> int:
         how = "printed at the end, timed after a 2-token warm-up run"
     else:
         how = "streamed, timed after a 2-token warm-up run"
+    threads = torch.get_num_threads()
     print(
         f"{len(gen.ids)} tokens in {gen.seconds * 1e3:.1f} ms ({gen.tokens_per_s:,.0f} tokens/s,"
-        f" {mode}, {cache}, {how})"
+        f" {mode}, {cache}, {how}, {threads} thread{'s' * (threads > 1)})"
     )
     return 0
