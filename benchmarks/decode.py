@@ -264,9 +264,7 @@ def per_round(times: dict[str, list[float]], name: str, peer: str) -> float:
     return statistics.median(p / t for t, p in zip(times[name], times[peer], strict=True))
 
 
-def bench_model(
-    kind: str, args: argparse.Namespace, root: Path, reads: dict[int, float] | None = None
-) -> None:
+def bench_model(kind: str, args: argparse.Namespace, root: Path, reads: dict[int, float]) -> None:
     """Every contestant on ``kind``, per thread count and batch size, and its tables printed.
 
     Args:
@@ -288,7 +286,6 @@ def bench_model(
     for threads in args.threads:
         torch.set_num_threads(threads)
         runs = contestants(hf_dir, ct2_path, threads, args.same_process)
-        reads = {} if reads is None else reads
         bw = reads[threads] = max(reads.get(threads, 0.0), bandwidth())
         limit = bw / wbytes
         print(

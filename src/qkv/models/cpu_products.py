@@ -101,10 +101,9 @@ def frozen_configs(*, mkl: bool) -> dict[str, object]:
     against 45.6-46.9 ms. On a 2-core Zen 4 EPYC (AVX-512), the same 24 products at 5 / 12 / 22
     rows (``benchmarks/products.py``, one run): oneDNN 1.78 / 2.31 / 3.13 ms, the template on
     AVX2 vectors in 6x16 blocks with the prefetch 0.95 / 1.51 / 2.92 (ONNX Runtime 1.56 / 1.98
-    / 3.06). In
-    other runs: the template's own AVX-512 blocks 1.55 / 3.38 / 6.25 (oneDNN 1.72 / 2.45 /
-    3.37); 8x16 AVX-512 blocks with the prefetch 0.92 / 1.59 / 2.73 against 1.16 / 1.94 / 3.35
-    in 6x16 AVX2 blocks (:data:`~qkv.models.template_blocks.WIDE_BLOCK`). The timing
+    / 3.06). In other runs: the template's own AVX-512 blocks 1.55 / 3.38 / 6.25 (oneDNN 1.72 /
+    2.45 / 3.37); 8x16 AVX-512 blocks with the prefetch 0.92 / 1.59 / 2.73 against 1.16 / 1.94
+    / 3.35 in 6x16 AVX2 blocks (:data:`~qkv.models.template_blocks.WIDE_BLOCK`). The timing
     costs ~5 s of compiling per product shape (the timings are not printed).
 
     Args:
